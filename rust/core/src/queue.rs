@@ -1,0 +1,376 @@
+//! One priority class's bounded queue, fair across tenants.
+//!
+//! Entries wait in per-tenant FIFOs visited round-robin (one grant per tenant per turn: fair
+//! queuing without weights), so one tenant's 1,000-request batch cannot stall another tenant's
+//! batch behind it. With one tenant it is a plain FIFO.
+//!
+//! Cancellation is O(1): the pool forgets the ticket and calls `forget_one`; the entry stays as
+//! a tombstone until it reaches a head, where it is dropped. Capacity and depth count live
+//! entries only (SPEC §3: a cancelled request "no longer counts toward capacity, depth or
+//! metrics").
+//!
+//! Why not a lock-free MPMC ring (crossbeam's `ArrayQueue`): every operation on a pool runs on
+//! its owner's thread (the event loop), so there is no contention to be free of, and a ring can
+//! neither remove from the middle nor re-insert a retry at its arrival position (SPEC §3
+//! "Retries keep their place"). This structure takes no lock at all.
+
+use std::collections::VecDeque;
+
+use crate::types::{Millis, Tenant, Ticket};
+
+/// A waiting request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub ticket: Ticket,
+    pub tenant: Tenant,
+    pub enqueued_at: Millis,
+    pub deadline: Millis,
+    /// Instances this request must not be sent to (already tried), as a bit set.
+    pub excluded: u64,
+    /// Set by `push` when the entry went in before later arrivals (a retry).
+    reinserted: bool,
+}
+
+impl Entry {
+    pub fn new(
+        ticket: Ticket,
+        tenant: Tenant,
+        enqueued_at: Millis,
+        deadline: Millis,
+        excluded: u64,
+    ) -> Self {
+        Self {
+            ticket,
+            tenant,
+            enqueued_at,
+            deadline,
+            excluded,
+            reinserted: false,
+        }
+    }
+
+    /// An entry that may be passed over (it has exclusions) or that breaks the deadline order
+    /// (it was reinserted). While any is present, expiry and eviction scan whole queues.
+    fn irregular(&self) -> bool {
+        self.excluded != 0 || self.reinserted
+    }
+}
+
+#[derive(Debug)]
+struct TenantQueue {
+    tenant: Tenant,
+    entries: VecDeque<Entry>,
+}
+
+#[derive(Debug)]
+pub struct ClassQueue {
+    /// Tenants with at least one (possibly tombstoned) entry, in round-robin order.
+    ring: VecDeque<TenantQueue>,
+    live: usize,
+    /// Irregular entries present, live or tombstoned.
+    irregular: usize,
+    pub capacity: usize,
+}
+
+impl ClassQueue {
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            ring: VecDeque::new(),
+            live: 0,
+            irregular: 0,
+            capacity,
+        }
+    }
+
+    #[inline]
+    pub fn live(&self) -> usize {
+        self.live
+    }
+
+    #[inline]
+    pub fn has_room(&self) -> bool {
+        self.live < self.capacity
+    }
+
+    /// Whether some present entry has exclusions or is out of arrival order.
+    #[inline]
+    pub fn has_irregular(&self) -> bool {
+        self.irregular > 0
+    }
+
+    /// Adds an entry. Within a tenant entries stay in ticket (arrival) order: a fresh arrival
+    /// goes last; a retry goes before every entry that arrived after it.
+    pub fn push(&mut self, mut entry: Entry) {
+        debug_assert!(self.live < self.capacity, "push past capacity");
+        self.live += 1;
+        let q = match self.ring.iter().position(|q| q.tenant == entry.tenant) {
+            Some(i) => &mut self.ring[i],
+            None => {
+                self.ring.push_back(TenantQueue {
+                    tenant: entry.tenant,
+                    entries: VecDeque::new(),
+                });
+                self.ring.back_mut().expect("just pushed")
+            }
+        };
+        if q.entries
+            .back()
+            .is_none_or(|last| last.ticket < entry.ticket)
+        {
+            if entry.irregular() {
+                self.irregular += 1;
+            }
+            q.entries.push_back(entry);
+        } else {
+            entry.reinserted = true;
+            self.irregular += 1;
+            let at = q.entries.partition_point(|e| e.ticket < entry.ticket);
+            q.entries.insert(at, entry);
+        }
+    }
+
+    /// The pool cancelled a waiting ticket of this class; its entry is now a tombstone.
+    pub fn forget_one(&mut self) {
+        debug_assert!(self.live > 0, "forget on an empty class");
+        self.live -= 1;
+    }
+
+    fn note_removed(&mut self, e: &Entry) {
+        if e.irregular() {
+            self.irregular -= 1;
+        }
+    }
+
+    /// Drops tombstones at the heads and tenants left empty.
+    fn clean_heads(&mut self, is_live: &impl Fn(Ticket) -> bool) {
+        let mut dropped = 0;
+        self.ring.retain_mut(|q| {
+            while let Some(e) = q.entries.front() {
+                if is_live(e.ticket) {
+                    break;
+                }
+                dropped += usize::from(e.irregular());
+                q.entries.pop_front();
+            }
+            !q.entries.is_empty()
+        });
+        self.irregular -= dropped;
+    }
+
+    /// The arrival time of the oldest live entry at a tenant's head (the starvation guard's
+    /// "oldest low").
+    pub fn oldest_enqueued_at(&mut self, is_live: &impl Fn(Ticket) -> bool) -> Option<Millis> {
+        if self.live == 0 {
+            return None;
+        }
+        self.clean_heads(is_live);
+        self.ring
+            .iter()
+            .filter_map(|q| q.entries.front())
+            .map(|e| e.enqueued_at)
+            .min()
+    }
+
+    /// Removes and returns the next entry in fair order for which `fits` finds an instance
+    /// (and that instance). Within a tenant the first fitting entry goes: only entries with
+    /// exclusions can fail to fit while another instance is free, so the scan stops at the
+    /// first unrestricted entry.
+    pub fn pop_fitting(
+        &mut self,
+        is_live: &impl Fn(Ticket) -> bool,
+        mut fits: impl FnMut(u64) -> Option<usize>,
+    ) -> Option<(Entry, usize)> {
+        if self.live == 0 {
+            return None;
+        }
+        self.clean_heads(is_live);
+        for turn in 0..self.ring.len() {
+            let mut found = None;
+            for (i, e) in self.ring[turn].entries.iter().enumerate() {
+                if !is_live(e.ticket) {
+                    continue;
+                }
+                if let Some(inst) = fits(e.excluded) {
+                    found = Some((i, inst));
+                    break;
+                }
+                if e.excluded == 0 {
+                    // Nothing fits an unrestricted entry, so nothing fits what follows it.
+                    break;
+                }
+            }
+            if let Some((i, inst)) = found {
+                // Round-robin: the served tenant goes to the back of the ring; tenants scanned
+                // past keep their turn ahead of it.
+                let mut served = self.ring.remove(turn).expect("turn is in range");
+                let entry = served.entries.remove(i).expect("index from the scan");
+                if !served.entries.is_empty() {
+                    self.ring.push_back(served);
+                }
+                self.note_removed(&entry);
+                self.live -= 1;
+                return Some((entry, inst));
+            }
+        }
+        None
+    }
+
+    /// Removes every live entry for which `pred` holds (and tombstones met on the way);
+    /// returns their tickets in queue order. Scans heads only while the queue is regular.
+    pub fn remove_where(
+        &mut self,
+        is_live: &impl Fn(Ticket) -> bool,
+        pred: impl Fn(&Entry) -> bool,
+    ) -> Vec<Ticket> {
+        let mut out = Vec::new();
+        let mut dropped_irregular = 0;
+        let full_scan = self.irregular > 0;
+        for q in self.ring.iter_mut() {
+            if full_scan {
+                q.entries.retain(|e| {
+                    let live = is_live(e.ticket);
+                    let remove = !live || pred(e);
+                    if remove {
+                        dropped_irregular += usize::from(e.irregular());
+                        if live {
+                            out.push(e.ticket);
+                        }
+                    }
+                    !remove
+                });
+            } else {
+                while let Some(e) = q.entries.front() {
+                    let live = is_live(e.ticket);
+                    if live && !pred(e) {
+                        break;
+                    }
+                    if live {
+                        out.push(e.ticket);
+                    }
+                    q.entries.pop_front();
+                }
+            }
+        }
+        self.ring.retain(|q| !q.entries.is_empty());
+        self.irregular -= dropped_irregular;
+        self.live -= out.len();
+        out
+    }
+
+    /// Removes every live entry whose deadline has passed; returns their tickets.
+    /// In a regular queue deadlines grow along each tenant's FIFO, so heads suffice.
+    pub fn expire(&mut self, now: Millis, is_live: &impl Fn(Ticket) -> bool) -> Vec<Ticket> {
+        if self.live == 0 {
+            return Vec::new();
+        }
+        self.remove_where(is_live, |e| e.deadline <= now)
+    }
+
+    /// Earliest deadline of a live entry (tombstones may make it early, never late).
+    pub fn next_deadline(&self) -> Option<Millis> {
+        if self.live == 0 {
+            return None;
+        }
+        if self.irregular > 0 {
+            return self
+                .ring
+                .iter()
+                .flat_map(|q| q.entries.iter())
+                .map(|e| e.deadline)
+                .min();
+        }
+        self.ring
+            .iter()
+            .filter_map(|q| q.entries.front())
+            .map(|e| e.deadline)
+            .min()
+    }
+
+    /// Removes every entry; returns the live tickets in arrival order.
+    pub fn drain_all(&mut self, is_live: &impl Fn(Ticket) -> bool) -> Vec<Ticket> {
+        let mut out: Vec<Ticket> = self
+            .ring
+            .drain(..)
+            .flat_map(|q| q.entries.into_iter())
+            .map(|e| e.ticket)
+            .filter(|t| is_live(*t))
+            .collect();
+        out.sort_unstable();
+        self.live = 0;
+        self.irregular = 0;
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn e(ticket: Ticket, tenant: Tenant, excluded: u64) -> Entry {
+        Entry::new(ticket, tenant, ticket, ticket + 100, excluded)
+    }
+
+    #[test]
+    fn tenants_take_turns() {
+        let mut q = ClassQueue::new(100);
+        for t in 0..6 {
+            q.push(e(t, 1, 0));
+        }
+        q.push(e(10, 2, 0));
+        q.push(e(11, 2, 0));
+        let order: Vec<_> = (0..8)
+            .map(|_| q.pop_fitting(&|_| true, |_| Some(0)).unwrap().0.ticket)
+            .collect();
+        assert_eq!(order, vec![0, 10, 1, 11, 2, 3, 4, 5]);
+        assert_eq!(q.live(), 0);
+    }
+
+    #[test]
+    fn a_retry_goes_back_to_its_place() {
+        let mut q = ClassQueue::new(100);
+        q.push(e(5, 0, 0));
+        q.push(e(9, 0, 0));
+        q.push(e(7, 0, 0b1));
+        let order: Vec<_> = (0..3)
+            .map(|_| q.pop_fitting(&|_| true, |_| Some(1)).unwrap().0.ticket)
+            .collect();
+        assert_eq!(order, vec![5, 7, 9]);
+        assert!(!q.has_irregular());
+    }
+
+    #[test]
+    fn an_excluded_entry_is_passed_over_not_blocking() {
+        let mut q = ClassQueue::new(100);
+        q.push(e(1, 0, 0b01));
+        q.push(e(2, 0, 0));
+        // only instance 0 is free; ticket 1 already tried it
+        let fits = |ex: u64| (ex & 1 == 0).then_some(0);
+        assert_eq!(q.pop_fitting(&|_| true, fits).unwrap().0.ticket, 2);
+        assert!(q.pop_fitting(&|_| true, fits).is_none());
+        assert_eq!(q.live(), 1);
+    }
+
+    #[test]
+    fn tombstones_free_capacity_and_are_skipped() {
+        let mut q = ClassQueue::new(2);
+        q.push(e(1, 0, 0));
+        q.push(e(2, 0, 0));
+        assert!(!q.has_room());
+        q.forget_one(); // ticket 1 cancelled
+        assert!(q.has_room());
+        let live = |t| t != 1;
+        assert_eq!(q.pop_fitting(&live, |_| Some(0)).unwrap().0.ticket, 2);
+        assert_eq!(q.live(), 0);
+    }
+
+    #[test]
+    fn expiry_takes_overdue_heads() {
+        let mut q = ClassQueue::new(10);
+        q.push(e(1, 0, 0));
+        q.push(e(2, 0, 0));
+        q.push(e(3, 0, 0));
+        assert_eq!(q.expire(102, &|_| true), vec![1, 2]);
+        assert_eq!(q.next_deadline(), Some(103));
+        assert_eq!(q.live(), 1);
+    }
+}

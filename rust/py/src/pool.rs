@@ -1,0 +1,332 @@
+//! `Pool`, `PoolConfig` and read-only views over `gateway_core::Pool`.
+
+use gateway_core as core;
+use pyo3::prelude::*;
+
+use crate::enums::{Balancer, InstanceState, Outcome, Policy, Priority};
+use crate::{CoreErr, EXPIRED, QUEUED, SPILLED, UNSERVABLE};
+
+/// One pool's scheduler settings (SPEC §8 `scheduler`, `balancer`, `health`).
+#[pyclass(frozen, get_all, module = "gateway._core")]
+#[derive(Clone)]
+pub struct PoolConfig {
+    policy: Policy,
+    high_capacity: usize,
+    low_capacity: usize,
+    high_weight: u32,
+    low_weight: u32,
+    high_max_wait_ms: u64,
+    low_max_wait_ms: u64,
+    max_consecutive_high: u32,
+    max_low_wait_ms: u64,
+    overflow_high_to_low: bool,
+    balancer: Balancer,
+    failure_threshold: u32,
+    ejection_ms: u64,
+    max_ejection_ms: u64,
+    half_open_max_requests: u32,
+    success_threshold: u32,
+    probing: bool,
+}
+
+#[pymethods]
+impl PoolConfig {
+    #[new]
+    #[pyo3(signature = (
+        *,
+        policy = Policy::WEIGHTED,
+        high_capacity = 200,
+        low_capacity = 1000,
+        high_weight = 7,
+        low_weight = 3,
+        high_max_wait_ms = 30_000,
+        low_max_wait_ms = 600_000,
+        max_consecutive_high = 20,
+        max_low_wait_ms = 5_000,
+        overflow_high_to_low = true,
+        balancer = Balancer::LEAST_CONNECTIONS,
+        failure_threshold = 3,
+        ejection_ms = 10_000,
+        max_ejection_ms = 300_000,
+        half_open_max_requests = 1,
+        success_threshold = 2,
+        probing = true,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        policy: Policy,
+        high_capacity: usize,
+        low_capacity: usize,
+        high_weight: u32,
+        low_weight: u32,
+        high_max_wait_ms: u64,
+        low_max_wait_ms: u64,
+        max_consecutive_high: u32,
+        max_low_wait_ms: u64,
+        overflow_high_to_low: bool,
+        balancer: Balancer,
+        failure_threshold: u32,
+        ejection_ms: u64,
+        max_ejection_ms: u64,
+        half_open_max_requests: u32,
+        success_threshold: u32,
+        probing: bool,
+    ) -> Result<Self, CoreErr> {
+        let cfg = Self {
+            policy,
+            high_capacity,
+            low_capacity,
+            high_weight,
+            low_weight,
+            high_max_wait_ms,
+            low_max_wait_ms,
+            max_consecutive_high,
+            max_low_wait_ms,
+            overflow_high_to_low,
+            balancer,
+            failure_threshold,
+            ejection_ms,
+            max_ejection_ms,
+            half_open_max_requests,
+            success_threshold,
+            probing,
+        };
+        cfg.to_core().validate()?;
+        Ok(cfg)
+    }
+}
+
+impl PoolConfig {
+    fn to_core(&self) -> core::PoolConfig {
+        core::PoolConfig {
+            selector: core::SelectorConfig {
+                policy: self.policy.into(),
+                high_weight: self.high_weight,
+                low_weight: self.low_weight,
+                max_consecutive_high: self.max_consecutive_high,
+                max_low_wait_ms: self.max_low_wait_ms,
+            },
+            high_capacity: self.high_capacity,
+            low_capacity: self.low_capacity,
+            high_max_wait_ms: self.high_max_wait_ms,
+            low_max_wait_ms: self.low_max_wait_ms,
+            overflow_high_to_low: self.overflow_high_to_low,
+            balancer: self.balancer.into(),
+            health: core::HealthConfig {
+                failure_threshold: self.failure_threshold,
+                ejection_ms: self.ejection_ms,
+                max_ejection_ms: self.max_ejection_ms,
+                half_open_max_requests: self.half_open_max_requests,
+                success_threshold: self.success_threshold,
+                probing: self.probing,
+            },
+        }
+    }
+}
+
+/// One instance as the scheduler sees it, at the time it was read.
+#[pyclass(frozen, get_all, module = "gateway._core")]
+pub struct InstanceInfo {
+    state: InstanceState,
+    in_flight: u32,
+    max_concurrency: u32,
+    consecutive_failures: u32,
+    /// Monotonic ms the ejection ends, while ejected.
+    ejected_until_ms: Option<u64>,
+    /// Monotonic ms until which a Retry-After cools the instance (0: never cooled).
+    cool_until_ms: u64,
+    /// Earliest monotonic ms the instance may be tried again.
+    next_try_ms: u64,
+    ejections: u64,
+    half_open_trials: u32,
+    removed: bool,
+}
+
+/// Cumulative counters of one pool.
+#[pyclass(frozen, get_all, module = "gateway._core")]
+pub struct PoolStats {
+    granted_high: u64,
+    granted_low: u64,
+    forced_low: u64,
+    expired: u64,
+    cancelled: u64,
+    rejected_full: u64,
+    unservable: u64,
+}
+
+type Events = Vec<(u64, i64)>;
+
+fn encode(events: Vec<core::Event>) -> Events {
+    events
+        .into_iter()
+        .map(|e| {
+            let code = match e.kind {
+                core::EventKind::Granted(i) => i as i64,
+                core::EventKind::Expired => EXPIRED,
+                core::EventKind::Unservable => UNSERVABLE,
+            };
+            (e.ticket, code)
+        })
+        .collect()
+}
+
+/// One pool's scheduler. All times are monotonic milliseconds supplied by the caller.
+#[pyclass(module = "gateway._core")]
+pub struct Pool {
+    inner: core::Pool,
+}
+
+#[pymethods]
+impl Pool {
+    #[new]
+    #[pyo3(signature = (config, seed = 0))]
+    fn new(config: &PoolConfig, seed: u64) -> Result<Self, CoreErr> {
+        Ok(Self {
+            inner: core::Pool::new(config.to_core(), seed)?,
+        })
+    }
+
+    /// Applies new settings; waiting and in-flight requests stay. Call `tick` after.
+    fn configure(&mut self, config: &PoolConfig) -> Result<(), CoreErr> {
+        Ok(self.inner.configure(config.to_core())?)
+    }
+
+    fn add_instance(&mut self, max_concurrency: u32) -> Result<usize, CoreErr> {
+        Ok(self.inner.add_instance(max_concurrency)?)
+    }
+
+    fn set_max_concurrency(&mut self, index: usize, max_concurrency: u32) -> Result<(), CoreErr> {
+        Ok(self.inner.set_max_concurrency(index, max_concurrency)?)
+    }
+
+    fn remove_instance(&mut self, index: usize) -> Result<(), CoreErr> {
+        Ok(self.inner.remove_instance(index)?)
+    }
+
+    /// Admits a request: returns the instance index (>= 0) when dispatched at once, `QUEUED`
+    /// or `SPILLED` when it waits. Raises `QueueFull` or `NoHealthyInstance`. After a queued
+    /// result, deliver `take_events()`.
+    #[pyo3(signature = (ticket, priority, now_ms, tenant = 0, excluded = 0))]
+    fn submit(
+        &mut self,
+        ticket: u64,
+        priority: Priority,
+        now_ms: u64,
+        tenant: u32,
+        excluded: u64,
+    ) -> Result<i64, CoreErr> {
+        let p = core::Priority::from(priority);
+        Ok(
+            match self.inner.submit(ticket, p, tenant, excluded, now_ms)? {
+                core::Admit::Granted(i) => i as i64,
+                core::Admit::Queued(class) if class == p => QUEUED,
+                core::Admit::Queued(_) => SPILLED,
+            },
+        )
+    }
+
+    fn take_events(&mut self) -> Events {
+        encode(self.inner.take_events())
+    }
+
+    /// Removes a waiting request; `False` when it is not waiting (granted: release it).
+    fn cancel(&mut self, ticket: u64) -> bool {
+        self.inner.cancel(ticket)
+    }
+
+    #[pyo3(signature = (ticket, outcome, now_ms, retry_after_ms = 0))]
+    fn release(
+        &mut self,
+        ticket: u64,
+        outcome: Outcome,
+        now_ms: u64,
+        retry_after_ms: u64,
+    ) -> Result<Events, CoreErr> {
+        Ok(encode(self.inner.release(
+            ticket,
+            outcome.into(),
+            retry_after_ms,
+            now_ms,
+        )?))
+    }
+
+    fn record_probe(&mut self, index: usize, ok: bool, now_ms: u64) -> Result<Events, CoreErr> {
+        Ok(encode(self.inner.record_probe(index, ok, now_ms)?))
+    }
+
+    fn tick(&mut self, now_ms: u64) -> Events {
+        encode(self.inner.tick(now_ms))
+    }
+
+    fn next_wakeup(&self, now_ms: u64) -> Option<u64> {
+        self.inner.next_wakeup(now_ms)
+    }
+
+    fn retry_after_ms(&mut self, priority: Priority, now_ms: u64) -> u64 {
+        self.inner.retry_after_ms(priority.into(), now_ms)
+    }
+
+    fn queued(&self, priority: Priority) -> usize {
+        self.inner.queued(priority.into())
+    }
+
+    #[getter]
+    fn waiting(&self) -> usize {
+        self.inner.waiting()
+    }
+
+    #[getter]
+    fn in_flight(&self) -> u32 {
+        self.inner.in_flight()
+    }
+
+    #[getter]
+    fn outstanding(&self) -> usize {
+        self.inner.tickets_outstanding()
+    }
+
+    #[getter]
+    fn instance_count(&self) -> usize {
+        self.inner.instances().len()
+    }
+
+    #[getter]
+    fn consecutive_high(&self) -> u32 {
+        self.inner.consecutive_high()
+    }
+
+    fn drain_rate(&mut self, now_ms: u64) -> f64 {
+        self.inner.drain_rate(now_ms)
+    }
+
+    fn instance(&mut self, index: usize, now_ms: u64) -> Result<InstanceInfo, CoreErr> {
+        let state = self.inner.instance_state(index, now_ms)?;
+        let i = &self.inner.instances()[index];
+        let b = &i.breaker;
+        Ok(InstanceInfo {
+            state: state.into(),
+            in_flight: i.in_flight,
+            max_concurrency: i.max_concurrency,
+            consecutive_failures: b.consecutive_failures(),
+            ejected_until_ms: b.ejected_until(),
+            cool_until_ms: b.cool_until(),
+            next_try_ms: b.next_try_at(now_ms),
+            ejections: b.ejections(),
+            half_open_trials: b.trials(),
+            removed: i.removed,
+        })
+    }
+
+    fn stats(&self) -> PoolStats {
+        let s = self.inner.stats();
+        PoolStats {
+            granted_high: s.granted[0],
+            granted_low: s.granted[1],
+            forced_low: s.forced_low,
+            expired: s.expired,
+            cancelled: s.cancelled,
+            rejected_full: s.rejected_full,
+            unservable: s.unservable,
+        }
+    }
+}
