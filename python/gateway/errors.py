@@ -40,7 +40,7 @@ class ConfigError(GatewayError):
         self.reason = reason
 
 
-def retry_after_ms(exc: QueueFull | NoHealthyInstance) -> int:
+def retry_after_ms(exc: GatewayError) -> int:
     """The wait the core suggests before a retry, carried as the error's second argument."""
     value = exc.args[1] if len(exc.args) > 1 else 1000
     return int(value)

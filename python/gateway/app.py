@@ -1,0 +1,663 @@
+"""The ingress: an aiohttp low-level server speaking the OpenAI API.
+
+Request flow (SPEC §2): ingress (parse, authenticate, size-limit, validate) → classify →
+route → admit/queue (the core) → balance (the core) → forward over the instance's keep-alive
+pool → observe (the outcome feeds health; the slot goes to the next waiter).
+
+The low-level `web.Server` is used instead of `web.Application`: one dict lookup routes a
+request, and there is no middleware chain on the hot path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+from gateway import __version__
+from gateway._core import Outcome, Priority
+from gateway.config import Config
+from gateway.errors import NoHealthyInstance, QueueFull, retry_after_ms
+from gateway.messages import ENDPOINTS, Endpoint, parse_request
+from gateway.responses import HttpError, error_response, sse_error_event
+from gateway.router import Decision
+from gateway.runtime import PoolRuntime, Runtime
+from gateway.scheduler import Draining, QueueTimeout
+from gateway.upstream import AttemptError, Upstream, parse_retry_after_ms, upstream_error_of
+
+__all__ = ["Gateway"]
+
+log = logging.getLogger("gateway")
+access_log = logging.getLogger("gateway.access")
+
+Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+
+_SAFE_ID = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
+_JSON = "application/json"
+
+
+@dataclass(slots=True)
+class Exchange:
+    """What is known about one request so far; becomes its response headers and log line."""
+
+    request_id: str
+    started: float
+    decision: Decision | None = None
+    pool: str | None = None
+    instance: str | None = None
+    queue_ms: float = 0.0
+    upstream_ms: float = 0.0
+    attempts: int = 0
+    waited_as: Priority | None = None
+    status: int = 0
+    error: str | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def headers(self) -> dict[str, str]:
+        h = {"X-Request-Id": self.request_id}
+        d = self.decision
+        if d is not None:
+            h["X-Gateway-Pool"] = self.pool or d.pool
+            h["X-Gateway-Priority"] = (self.waited_as or d.priority).label
+            h["X-Gateway-Complexity"] = d.complexity_header
+        if self.instance is not None:
+            h["X-Gateway-Instance"] = self.instance
+            h["X-Gateway-Queue-Ms"] = f"{self.queue_ms:.1f}"
+        return h
+
+
+class _Protocol(RequestHandler):
+    """aiohttp's request handler plus a deadline on the first request's head (slowloris).
+
+    aiohttp's keep-alive timer already closes idle connections and connections whose later
+    requests stall in their headers; this adds the same bound, shorter, before the first.
+    """
+
+    header_timeout: float = 10.0
+    started: bool = False
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._head_timer = asyncio.get_running_loop().call_later(
+            self.header_timeout, self._head_deadline
+        )
+
+    def _head_deadline(self) -> None:
+        self._head_timer = None
+        if not self.started:
+            self.force_close()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+
+class _Server(web.Server):
+    def __init__(self, handler: Handler, header_timeout: float, **kwargs: Any) -> None:
+        super().__init__(handler, **kwargs)
+        self._header_timeout = header_timeout
+
+    def __call__(self) -> RequestHandler:
+        proto = _Protocol(self, loop=self._loop, **self._kwargs)
+        proto.header_timeout = self._header_timeout
+        return proto
+
+
+class Gateway:
+    """The HTTP surface of SPEC §7 over one `Runtime`."""
+
+    def __init__(self, config: Config, *, config_path: str | None = None) -> None:
+        self.runtime = Runtime(config)
+        self.config_path = config_path
+        self.draining = False
+        # Set when the drain deadline passed: in-flight work is cancelled and answered 503
+        # (or, for a started stream, an error event) instead of being cut silently.
+        self._hard_stopped = False
+        self._active: set[asyncio.Task[Any]] = set()
+        self._boot = os.urandom(4).hex()
+        self._routes: dict[tuple[str, str], Handler] = {
+            ("GET", "/livez"): self.livez,
+            ("GET", "/healthz"): self.livez,
+            ("GET", "/readyz"): self.readyz,
+            ("GET", "/v1/models"): self.models,
+            ("GET", "/admin/state"): self.admin_state,
+        }
+        for path, endpoint in ENDPOINTS.items():
+            self._routes[("POST", path)] = self._proxy_handler(endpoint)
+        self._keys = self._load_keys(config)
+
+    # ---- server plumbing -----------------------------------------------------------------
+
+    def server(self) -> web.Server:
+        limits = self.runtime.config.limits
+        return _Server(
+            self.handle,
+            header_timeout=limits.header_timeout_ms / 1000,
+            handler_cancellation=True,
+            keepalive_timeout=limits.keepalive_timeout_ms / 1000,
+            access_log=None,
+            max_line_size=16384,
+            max_field_size=16384,
+        )
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        proto = request.protocol
+        if isinstance(proto, _Protocol):
+            proto.started = True
+        handler = self._routes.get((request.method, request.path))
+        if handler is None:
+            status = 405 if any(p == request.path for _, p in self._routes) else 404
+            code = "method_not_allowed" if status == 405 else "not_found"
+            return error_response(HttpError(status, code, f"No route {request.method} {request.path}"))
+        try:
+            return await handler(request)
+        except HttpError as err:
+            return error_response(err)
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            # Never a traceback to the client; the log has it.
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            return error_response(HttpError(500, "internal_error", "Internal gateway error."))
+
+    async def close(self) -> None:
+        await self.runtime.close()
+
+    async def drain(self, site: web.BaseSite) -> None:
+        """SPEC §7 "SIGTERM drains": `/readyz` turns 503, new connections stop, in-flight and
+        queued requests finish within the drain deadline, then the rest get 503 or a stream
+        error event."""
+        self.draining = True
+        await site.stop()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.runtime.config.shutdown.drain_timeout_ms / 1000
+        while self._active and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if not self._active:
+            return
+        self._hard_stopped = True
+        log.warning(
+            "drain deadline passed", extra={"fields": {"unfinished": len(self._active)}}
+        )
+        for pool in self.runtime.pools.values():
+            pool.scheduler.fail_all_waiting(Draining)
+        for task in list(self._active):
+            task.cancel()
+        # Give the cancelled handlers a moment to answer.
+        end = loop.time() + 2.0
+        while self._active and loop.time() < end:
+            await asyncio.sleep(0.01)
+
+    # ---- small endpoints -----------------------------------------------------------------
+
+    async def livez(self, request: web.BaseRequest) -> web.StreamResponse:
+        return web.Response(body=b'{"status":"ok"}', content_type=_JSON)
+
+    def ready(self) -> tuple[bool, str]:
+        """SPEC §7: ready once config is loaded, at least one instance per pool is not
+        ejected, and not draining."""
+        if self.draining:
+            return False, "draining"
+        now = _now_ms()
+        for name, pool in self.runtime.pools.items():
+            core = pool.scheduler.core
+            if not any(
+                (info := core.instance(i, now)).state.label != "ejected" and not info.removed
+                for i in range(core.instance_count)
+            ):
+                return False, f"every instance of pool {name} is ejected"
+        return True, "ready"
+
+    async def readyz(self, request: web.BaseRequest) -> web.StreamResponse:
+        ok, reason = self.ready()
+        body = orjson.dumps({"status": "ready" if ok else "not_ready", "reason": reason})
+        return web.Response(status=200 if ok else 503, body=body, content_type=_JSON)
+
+    async def models(self, request: web.BaseRequest) -> web.StreamResponse:
+        self._authenticate(request)
+        data = [
+            {"id": alias, "object": "model", "created": 0, "owned_by": "gateway"}
+            for alias in self.runtime.router.aliases()
+        ]
+        return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type=_JSON)
+
+    def state(self) -> dict[str, Any]:
+        """The /admin/state document (SPEC §7 shape, plus counters)."""
+        now = _now_ms()
+        unix_offset = time.time() - now / 1000
+        pools: dict[str, Any] = {}
+        for name, pool in self.runtime.pools.items():
+            core = pool.scheduler.core
+            stats = core.stats()
+            instances = []
+            for i, up in enumerate(pool.upstreams):
+                info = core.instance(i, now)
+                until = info.ejected_until_ms
+                instances.append(
+                    {
+                        "name": up.name,
+                        "state": info.state.label,
+                        "in_flight": info.in_flight,
+                        "max_concurrency": info.max_concurrency,
+                        "consecutive_failures": info.consecutive_failures,
+                        "ejected_until": None if until is None else round(until / 1000 + unix_offset, 3),
+                        "next_try_at": round(info.next_try_ms / 1000 + unix_offset, 3),
+                        "ejections": info.ejections,
+                        "removed": info.removed,
+                    }
+                )
+            pools[name] = {
+                "queued": {"high": core.queued(Priority.HIGH), "low": core.queued(Priority.LOW)},
+                "in_flight": core.in_flight,
+                "granted": {"high": stats.granted_high, "low": stats.granted_low},
+                "forced_low_grants": stats.forced_low,
+                "expired": stats.expired,
+                "cancelled": stats.cancelled,
+                "rejected_full": stats.rejected_full,
+                "drain_rate_per_s": round(core.drain_rate(now), 3),
+                "fallback": pool.spec.fallback,
+                "instances": instances,
+            }
+        return {"pools": pools, "draining": self.draining, "version": __version__}
+
+    async def admin_state(self, request: web.BaseRequest) -> web.StreamResponse:
+        self._authenticate_admin(request)
+        return web.Response(body=orjson.dumps(self.state()), content_type=_JSON)
+
+    # ---- auth ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _load_keys(config: Config) -> list[tuple[bytes, str, Priority | None, int]]:
+        if config.auth is None:
+            return []
+        out = []
+        for tenant, key in enumerate(config.auth.keys, start=1):
+            prio = None
+            if key.priority is not None:
+                prio = Priority.HIGH if key.priority in ("high", "realtime") else Priority.LOW
+            out.append((key.key.encode(), key.name, prio, tenant))
+        return out
+
+    def _authenticate(self, request: web.BaseRequest) -> tuple[str, Priority | None, int]:
+        """Returns the key's (name, default priority, tenant); (anonymous, None, 0) without auth."""
+        if self.runtime.config.auth is None:
+            return "anonymous", None, 0
+        presented = _bearer(request.headers)
+        if presented is None:
+            raise HttpError(401, "invalid_api_key", "Missing API key: send 'Authorization: Bearer <key>'.")
+        found = None
+        # Constant-time: compare against every key, whatever matched.
+        for key, name, prio, tenant in self._keys:
+            if hmac.compare_digest(key, presented) and found is None:
+                found = (name, prio, tenant)
+        if found is None:
+            raise HttpError(401, "invalid_api_key", "Incorrect API key provided.")
+        return found
+
+    def _authenticate_admin(self, request: web.BaseRequest) -> None:
+        auth = self.runtime.config.auth
+        if auth is None:
+            return
+        presented = _bearer(request.headers)
+        admin = (auth.admin_key or "").encode()
+        if not admin or presented is None or not hmac.compare_digest(admin, presented):
+            raise HttpError(401, "invalid_api_key", "The admin API needs the admin key.")
+
+    # ---- the proxy -----------------------------------------------------------------------
+
+    def _proxy_handler(self, endpoint: Endpoint) -> Handler:
+        async def handler(request: web.BaseRequest) -> web.StreamResponse:
+            return await self.proxy(request, endpoint)
+
+        return handler
+
+    def _request_id(self, request: web.BaseRequest, ticket: int) -> str:
+        given = request.headers.get("X-Request-Id")
+        if given and len(given) <= 128 and _SAFE_ID.issuperset(given):
+            return given
+        return f"gw-{self._boot}-{ticket}"
+
+    async def proxy(self, request: web.BaseRequest, endpoint: Endpoint) -> web.StreamResponse:
+        runtime = self.runtime
+        ticket = runtime.next_ticket()
+        ex = Exchange(self._request_id(request, ticket), time.monotonic())
+        task = asyncio.current_task()
+        assert task is not None
+        self._active.add(task)
+        try:
+            if self.draining:
+                raise HttpError(503, "draining", "The gateway is shutting down.", retry_after_ms=1000)
+            _, key_priority, tenant = self._authenticate(request)
+            body = await self._read_body(request)
+            data = parse_request(body, endpoint)
+            ex.decision = runtime.router.decide(data["model"], request.headers, data, key_priority)
+            resp = await self._dispatch(request, ex, endpoint, data, ticket, tenant)
+        except HttpError as err:
+            ex.status, ex.error = err.status, err.code
+            resp = error_response(err, ex.headers())
+        except asyncio.CancelledError:
+            if not self._hard_stopped:
+                ex.status, ex.error = 499, "client_closed"
+                self._log(ex)
+                raise
+            # Cancelled by the drain deadline, not by the client: answer it.
+            task.uncancel()
+            stop = HttpError(
+                503,
+                "draining",
+                "The gateway shut down before the request finished.",
+                retry_after_ms=1000,
+            )
+            ex.status, ex.error = stop.status, stop.code
+            resp = error_response(stop, ex.headers())
+        finally:
+            self._active.discard(task)
+        ex.status = ex.status or resp.status
+        self._log(ex)
+        return resp
+
+    async def _read_body(self, request: web.BaseRequest) -> bytes:
+        cfg = self.runtime.config
+        ctype = request.headers.get("Content-Type", "")
+        mime = ctype.split(";", 1)[0].strip().lower()
+        if mime != _JSON and not mime.endswith("+json"):
+            raise HttpError(
+                400,
+                "invalid_request",
+                f"Content-Type must be application/json, not {mime or 'missing'!r}.",
+            )
+        limit = cfg.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise HttpError(413, "request_too_large", f"The request body exceeds {limit} bytes.")
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(cfg.limits.body_timeout_ms / 1000):
+                while chunk := await request.content.readany():
+                    size += len(chunk)
+                    if size > limit:
+                        raise HttpError(
+                            413, "request_too_large", f"The request body exceeds {limit} bytes."
+                        )
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise HttpError(408, "request_timeout", "The request body arrived too slowly.") from None
+        return b"".join(chunks)
+
+    async def _dispatch(
+        self,
+        request: web.BaseRequest,
+        ex: Exchange,
+        endpoint: Endpoint,
+        data: dict[str, Any],
+        ticket: int,
+        tenant: int,
+    ) -> web.StreamResponse:
+        """Admit, queue, balance and forward, retrying and falling back (SPEC §3, §6)."""
+        assert ex.decision is not None
+        runtime = self.runtime
+        max_attempts = runtime.config.retries.max_attempts
+        priority = ex.decision.priority
+        pool_name: str | None = ex.decision.pool
+        visited: set[str] = set()
+        last_error: AttemptError | None = None
+        unavailable_ms = 1000
+        while pool_name is not None and pool_name not in visited:
+            visited.add(pool_name)
+            pool = runtime.pools[pool_name]
+            ex.pool = pool_name
+            excluded = 0
+            for _ in range(max_attempts):
+                t_queue = time.monotonic()
+                try:
+                    idx, ex.waited_as = await pool.scheduler.acquire(
+                        ticket, priority, tenant, excluded
+                    )
+                except QueueFull as exc:
+                    raise HttpError(
+                        503,
+                        "queue_full",
+                        f"Pool {pool_name!r} is saturated and its queue is full; retry later.",
+                        retry_after_ms=retry_after_ms(exc),
+                    ) from None
+                except QueueTimeout as exc:
+                    raise HttpError(
+                        503,
+                        "queue_timeout",
+                        f"Waited longer than the {(ex.waited_as or priority).label} queue "
+                        f"allows in pool {pool_name!r}; retry later.",
+                        retry_after_ms=retry_after_ms(exc),
+                    ) from None
+                except Draining:
+                    raise HttpError(
+                        503,
+                        "draining",
+                        "The gateway shut down before the request was served.",
+                        retry_after_ms=1000,
+                    ) from None
+                except NoHealthyInstance as exc:
+                    # SPEC §6: none of this pool's instances may be tried: the fallback.
+                    unavailable_ms = retry_after_ms(exc)
+                    break
+                finally:
+                    ex.queue_ms += (time.monotonic() - t_queue) * 1000
+                ex.attempts += 1
+                upstream = pool.upstreams[idx]
+                ex.instance = upstream.name
+                result = await self._attempt(request, ex, endpoint, data, pool, idx, ticket)
+                if not isinstance(result, AttemptError):
+                    return result
+                last_error = result
+                # SPEC §6: retried "on another instance of its pool".
+                excluded |= 1 << idx
+            pool_name = pool.spec.fallback
+        if last_error is not None:
+            if last_error.timeout:
+                raise HttpError(504, "upstream_timeout", f"Upstream timed out: {last_error}.")
+            raise HttpError(502, "upstream_error", f"Upstream failed: {last_error}.")
+        ex.instance = None
+        raise HttpError(
+            503,
+            "no_healthy_instance",
+            f"No healthy instance in pool {ex.decision.pool!r} or its fallback; retry later.",
+            retry_after_ms=unavailable_ms,
+        )
+
+    async def _attempt(
+        self,
+        request: web.BaseRequest,
+        ex: Exchange,
+        endpoint: Endpoint,
+        data: dict[str, Any],
+        pool: PoolRuntime,
+        idx: int,
+        ticket: int,
+    ) -> web.StreamResponse | AttemptError:
+        """One try on one instance. Returns the response sent to the client, or the error
+        when the attempt failed before any byte reached the client (so it may be retried).
+        The slot is released exactly once, with the outcome, whatever happens."""
+        upstream = pool.upstreams[idx]
+        timeouts = self.runtime.config.timeouts
+        outcome = Outcome.NEUTRAL
+        cool_ms = 0
+        resp_up: aiohttp.ClientResponse | None = None
+        t0 = time.monotonic()
+        deadline = t0 + timeouts.total_ms / 1000
+        try:
+            resp_up = await upstream.open(
+                endpoint.path, upstream.body_for(data), timeouts.first_byte_ms / 1000
+            )
+            status = resp_up.status
+            if status >= 500 or status in (408, 429) or 300 <= status < 400:
+                # SPEC §6: 5xx/429 (and 408) are the instance's failures; a redirect is not
+                # followed and means a misconfigured instance.
+                await _read_all(resp_up, deadline)
+                if status in (429, 503):
+                    cool_ms = parse_retry_after_ms(resp_up.headers)
+                outcome = Outcome.FAILURE
+                return AttemptError(
+                    f"upstream {upstream.name} answered HTTP {status}",
+                    status=status,
+                    retry_after_ms=cool_ms,
+                )
+            if status >= 400:
+                # SPEC §6: "4xx other than 408/429 is the client's fault and passes through".
+                raw = await _read_all(resp_up, deadline)
+                return web.Response(
+                    status=status,
+                    body=upstream.scrub(raw),
+                    content_type=resp_up.content_type or _JSON,
+                    headers=ex.headers(),
+                )
+            if data.get("stream") and resp_up.content_type == "text/event-stream":
+                result, outcome = await self._relay_stream(request, ex, resp_up, upstream, deadline)
+                return result
+            raw = await _read_all(resp_up, deadline)
+            err = upstream_error_of(raw)
+            if err is not None:
+                outcome = Outcome.FAILURE
+                return AttemptError(f"{upstream.name}: {err}", status=status)
+            outcome = Outcome.SUCCESS
+            return web.Response(
+                status=status,
+                body=raw,
+                content_type=resp_up.content_type or _JSON,
+                headers=ex.headers(),
+            )
+        except AttemptError as err:
+            outcome = Outcome.FAILURE
+            return err
+        finally:
+            ex.upstream_ms += (time.monotonic() - t0) * 1000
+            if resp_up is not None:
+                # An unfinished body means the upstream is still working: closing the
+                # connection cancels it there (client gone, stream failed).
+                resp_up.close() if not resp_up.content.is_eof() else resp_up.release()
+            pool.scheduler.release(ticket, outcome, cool_ms)
+
+    async def _relay_stream(
+        self,
+        request: web.BaseRequest,
+        ex: Exchange,
+        resp_up: aiohttp.ClientResponse,
+        upstream: Upstream,
+        deadline: float,
+    ) -> tuple[web.StreamResponse | AttemptError, Outcome]:
+        """SSE passed through chunk by chunk. Until the first byte is written the attempt may
+        still be retried; after it, a failure ends the stream with an error event."""
+        idle = self.runtime.config.timeouts.stream_idle_ms / 1000
+        content = resp_up.content
+        try:
+            first = await _read_chunk(content, idle, deadline)
+        except AttemptError as err:
+            return err, Outcome.FAILURE
+        if not first:
+            return AttemptError(f"{upstream.name} closed the stream before any data"), Outcome.FAILURE
+        if first.lstrip()[:1] == b"{" and upstream_error_of(first) is not None:
+            return AttemptError(f"{upstream.name}: {upstream_error_of(first)}"), Outcome.FAILURE
+        headers = ex.headers()
+        headers.update(
+            {
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            }
+        )
+        resp = web.StreamResponse(status=200, headers=headers)
+        await resp.prepare(request)
+        try:
+            await resp.write(first)
+            while chunk := await _read_chunk(content, idle, deadline):
+                await resp.write(chunk)
+        except asyncio.CancelledError:
+            if self._hard_stopped:
+                with contextlib.suppress(Exception):
+                    await resp.write(sse_error_event("draining", "The gateway shut down."))
+                    await resp.write_eof()
+            raise
+        except ConnectionResetError:
+            # The client left mid-stream: nothing to tell it; the upstream is closed below.
+            return resp, Outcome.NEUTRAL
+        except AttemptError as err:
+            # SPEC §6: "its failure ends the stream with an error event ... never a silent
+            # cut, never a fake [DONE]".
+            code = "upstream_timeout" if err.timeout else "upstream_error"
+            ex.error = code
+            await resp.write(sse_error_event(code, f"The upstream stream failed: {err}."))
+            await resp.write_eof()
+            return resp, Outcome.FAILURE
+        await resp.write_eof()
+        return resp, Outcome.SUCCESS
+
+    def _log(self, ex: Exchange) -> None:
+        if not access_log.isEnabledFor(logging.INFO):
+            return
+        d = ex.decision
+        access_log.info(
+            "request",
+            extra={
+                "fields": {
+                    "id": ex.request_id,
+                    "pool": ex.pool,
+                    "instance": ex.instance,
+                    "priority": (ex.waited_as or d.priority).label if d else None,
+                    "complexity": d.complexity if d else None,
+                    "rule": d.complexity_rule if d else None,
+                    "queue_ms": round(ex.queue_ms, 1),
+                    "upstream_ms": round(ex.upstream_ms, 1),
+                    "status": ex.status,
+                    "attempts": ex.attempts,
+                    "error": ex.error,
+                    "total_ms": round((time.monotonic() - ex.started) * 1000, 1),
+                }
+            },
+        )
+
+
+def _now_ms() -> int:
+    return time.monotonic_ns() // 1_000_000
+
+
+def _bearer(headers: Mapping[str, str]) -> bytes | None:
+    raw = headers.get("Authorization", "")
+    scheme, _, token = raw.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip().encode()
+
+
+async def _read_all(resp: aiohttp.ClientResponse, deadline: float) -> bytes:
+    """The whole upstream body, within the attempt's total deadline."""
+    try:
+        async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+            return await resp.read()
+    except TimeoutError:
+        raise AttemptError("upstream body did not arrive in time", timeout=True) from None
+    except (aiohttp.ClientError, OSError) as exc:
+        raise AttemptError(f"upstream connection failed ({type(exc).__name__})") from None
+
+
+async def _read_chunk(content: aiohttp.StreamReader, idle: float, deadline: float) -> bytes:
+    """The next piece of a stream, within the idle timeout and the total deadline."""
+    wait = min(idle, deadline - time.monotonic())
+    try:
+        async with asyncio.timeout(max(0.0, wait)):
+            return await content.readany()
+    except TimeoutError:
+        raise AttemptError("upstream stream stalled", timeout=True) from None
+    except (aiohttp.ClientError, OSError) as exc:
+        raise AttemptError(f"upstream cut the stream ({type(exc).__name__})") from None

@@ -1,0 +1,60 @@
+"""Active health probes (SPEC §6): zero-token `GET probe.path` on every instance, off the
+request path. A failed probe counts as a failure; a passing one only lets an ejected instance
+into half-open — the core decides what each result means."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from gateway.runtime import Runtime
+
+__all__ = ["Prober"]
+
+log = logging.getLogger("gateway.health")
+
+
+class Prober:
+    """Probes every instance of a runtime every `probe.interval_ms`."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self.runtime.config.health.probe.enabled and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="prober")
+
+    async def _run(self) -> None:
+        while True:
+            probe = self.runtime.config.health.probe
+            await self.probe_all()
+            await asyncio.sleep(probe.interval_ms / 1000)
+
+    async def probe_all(self) -> None:
+        """One round: every instance at once, each bounded by the probe timeout."""
+        probe = self.runtime.config.health.probe
+        jobs = []
+        for pool in self.runtime.pools.values():
+            for idx, up in pool.live_upstreams():
+                jobs.append((pool, idx, up.name, up.probe(probe.path, probe.timeout_ms / 1000)))
+        results = await asyncio.gather(*(job[3] for job in jobs))
+        for (pool, idx, name, _), ok in zip(jobs, results, strict=True):
+            before = pool.scheduler.core.instance(idx, 0).state
+            pool.scheduler.record_probe(idx, ok)
+            if not ok:
+                log.info("probe failed", extra={"fields": {"pool": pool.name, "instance": name}})
+            after = pool.scheduler.core.instance(idx, 0).state
+            if after != before:
+                log.info(
+                    "instance state changed by probe",
+                    extra={"fields": {"pool": pool.name, "instance": name, "state": after.label}},
+                )
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

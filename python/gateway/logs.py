@@ -1,0 +1,56 @@
+"""Structured logs: one JSON object per line (`--log-format json`) or readable text.
+
+Records carry their data in `extra={"fields": {...}}`; nothing here ever formats a key,
+because nothing on the request path puts one in `fields`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+import orjson
+
+__all__ = ["setup_logging"]
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            out.update(fields)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(out, default=str).decode()
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
+        fields = getattr(record, "fields", None)
+        tail = ""
+        if isinstance(fields, dict):
+            tail = " " + " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+        text = f"{stamp} {record.levelname.lower():5} {record.name}: {record.getMessage()}{tail}"
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return text
+
+
+def setup_logging(fmt: str = "text", level: str = "info", access: bool = True) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("gateway.access").setLevel(logging.INFO if access else logging.WARNING)
+    # aiohttp's own access log duplicates ours.
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

@@ -1,0 +1,133 @@
+"""Classification and routing (SPEC §4): priority, complexity, alias → pool.
+
+Every decision carries the rule that made it; the rule is returned in response headers and
+logs so an operator can always answer "why did this request go there?".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gateway._core import Priority
+from gateway.config import Config
+from gateway.responses import HttpError
+
+__all__ = ["Decision", "Router"]
+
+_PRIORITY_HEADER = {
+    "high": Priority.HIGH,
+    "realtime": Priority.HIGH,
+    "low": Priority.LOW,
+    "batch": Priority.LOW,
+}
+# SPEC §4: body `service_tier` (`priority` → high, `flex` → low); other tiers say nothing.
+_SERVICE_TIER = {"priority": Priority.HIGH, "flex": Priority.LOW}
+
+
+@dataclass(slots=True, frozen=True)
+class Decision:
+    """Where one request goes and why."""
+
+    pool: str
+    priority: Priority
+    priority_rule: str
+    complexity: str
+    complexity_rule: str
+
+    @property
+    def complexity_header(self) -> str:
+        return f"{self.complexity}; {self.complexity_rule}"
+
+
+class Router:
+    """Resolves a request to a pool, its priority and its complexity."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.default_priority = _PRIORITY_HEADER[config.default_priority]
+        # The complexity a pool stands for, from `routing.complexity` (light → simple).
+        self._pool_complexity: dict[str, str] = {}
+        cx = config.routing.complexity
+        if cx.simple:
+            self._pool_complexity.setdefault(cx.simple, "simple")
+        if cx.complex:
+            self._pool_complexity.setdefault(cx.complex, "complex")
+
+    def aliases(self) -> list[str]:
+        return sorted(self.config.models)
+
+    def decide(
+        self,
+        alias: Any,
+        headers: Mapping[str, str],
+        body: Mapping[str, Any],
+        key_priority: Priority | None = None,
+    ) -> Decision:
+        spec = self.config.models.get(alias) if isinstance(alias, str) else None
+        if spec is None:
+            raise HttpError(
+                404,
+                "model_not_found",
+                f"The model {_quote(alias)} does not exist on this gateway; "
+                f"GET /v1/models lists the served models.",
+                param="model",
+            )
+        priority, priority_rule = self._priority(headers, body, key_priority)
+        header_cx = headers.get("X-Complexity")
+        if header_cx is not None:
+            complexity = header_cx.strip().lower()
+            if complexity not in ("simple", "complex"):
+                raise HttpError(
+                    400,
+                    "invalid_request",
+                    "X-Complexity must be 'simple' or 'complex'",
+                    param="X-Complexity",
+                )
+            rule = "header"
+        elif spec.pool is not None:
+            complexity = self._pool_complexity.get(spec.pool, "simple")
+            rule = f"alias={alias}"
+        else:
+            # The `auto` classifier lands separately; until then the configured default.
+            complexity = self.config.routing.default_complexity
+            rule = "default"
+        if spec.pool is not None:
+            pool = spec.pool
+        else:
+            cx = self.config.routing.complexity
+            target = cx.complex if complexity == "complex" else cx.simple
+            assert target is not None, "config validation guarantees auto routing targets"
+            pool = target
+        return Decision(pool, priority, priority_rule, complexity, rule)
+
+    def _priority(
+        self, headers: Mapping[str, str], body: Mapping[str, Any], key_priority: Priority | None
+    ) -> tuple[Priority, str]:
+        # SPEC §4: "Priority, first match wins: header X-Priority ...; body service_tier ...;
+        # the API key's default priority; the configured default_priority".
+        raw = headers.get("X-Priority")
+        if raw is not None:
+            p = _PRIORITY_HEADER.get(raw.strip().lower())
+            if p is None:
+                raise HttpError(
+                    400,
+                    "invalid_request",
+                    "X-Priority must be one of high, low, realtime, batch",
+                    param="X-Priority",
+                )
+            return p, "header"
+        tier = body.get("service_tier")
+        if isinstance(tier, str) and tier in _SERVICE_TIER:
+            return _SERVICE_TIER[tier], "service_tier"
+        if key_priority is not None:
+            return key_priority, "api_key"
+        return self.default_priority, "default"
+
+
+def _quote(value: Any) -> str:
+    """The client's alias, quoted for an error message: bounded, control characters escaped."""
+    text = value if isinstance(value, str) else repr(value)
+    text = text[:100].encode("unicode_escape").decode("ascii")
+    return f"'{text}'"

@@ -1,0 +1,164 @@
+"""Glue between the event loop and the Rust scheduling core.
+
+The core decides (who goes next, to which instance, what health says); this module only
+turns its answers into awaitable results: one future per waiting request, resolved when the
+core grants, expires or evicts it, and one timer per pool armed at the core's next wakeup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+
+from gateway import _core
+from gateway._core import Outcome, Priority
+from gateway.errors import GatewayError, NoHealthyInstance
+
+__all__ = ["Draining", "PoolScheduler", "QueueTimeout", "Unservable", "now_ms"]
+
+_EXPIRED = _core.EXPIRED
+_UNSERVABLE = _core.UNSERVABLE
+
+
+def now_ms() -> int:
+    """The monotonic clock every core call is given, in milliseconds."""
+    return time.monotonic_ns() // 1_000_000
+
+
+class QueueTimeout(GatewayError):
+    """SPEC §3 "Deadlines": waited longer than the class's `max_wait_ms`."""
+
+    def __init__(self, retry_after_ms: int) -> None:
+        super().__init__("waited longer than the queue's max_wait_ms", retry_after_ms)
+
+
+class Draining(GatewayError):
+    """The drain deadline passed while the request waited."""
+
+
+class Unservable(NoHealthyInstance):
+    """Evicted from the queue: no instance the request may use is up any more."""
+
+    def __init__(self, retry_after_ms: int) -> None:
+        super().__init__("no healthy instance left for the waiting request", retry_after_ms)
+
+
+class PoolScheduler:
+    """One pool's core plus the futures of its waiting requests."""
+
+    def __init__(self, name: str, core: _core.Pool) -> None:
+        self.name = name
+        self.core = core
+        self._waiters: dict[int, tuple[asyncio.Future[int], Priority]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: int | None = None
+
+    async def acquire(
+        self, ticket: int, priority: Priority, tenant: int = 0, excluded: int = 0
+    ) -> tuple[int, Priority]:
+        """Waits for a slot; returns the granted instance index and the class it waited in.
+
+        Raises `QueueFull`, `NoHealthyInstance` (nothing up: try the fallback), `Unservable`
+        (evicted while waiting, a `NoHealthyInstance`) or `QueueTimeout`. If the caller is
+        cancelled while waiting, the request leaves the queue at once (or, if the grant raced
+        the cancellation, its slot is released).
+        """
+        core = self.core
+        code = core.submit(ticket, priority, now_ms(), tenant, excluded)
+        if code >= 0:
+            return code, priority
+        waited_as = Priority.LOW if code == _core.SPILLED else priority
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._waiters[ticket] = (fut, waited_as)
+        self.deliver(core.take_events())
+        self._arm()
+        try:
+            return await fut, waited_as
+        except asyncio.CancelledError:
+            self._abandon(ticket)
+            raise
+
+    def _abandon(self, ticket: int) -> None:
+        """The waiter went away: take it out of the queue, or give back a slot it was granted."""
+        self._waiters.pop(ticket, None)
+        if not self.core.cancel(ticket):
+            # Granted in the same loop iteration the cancellation arrived in.
+            try:
+                self.release(ticket, Outcome.NEUTRAL)
+            except _core.UnknownTicket:
+                pass  # expired or evicted: nothing is held
+
+    def release(self, ticket: int, outcome: Outcome, retry_after_ms: int = 0) -> None:
+        """An attempt ended; the freed slot goes to whoever the core picks."""
+        self.deliver(self.core.release(ticket, outcome, now_ms(), retry_after_ms))
+
+    def record_probe(self, index: int, ok: bool) -> None:
+        self.deliver(self.core.record_probe(index, ok, now_ms()))
+
+    def tick(self) -> None:
+        """Expires overdue waiters and fills capacity that came back with time."""
+        self.deliver(self.core.tick(now_ms()))
+
+    def deliver(self, events: Iterable[tuple[int, int]]) -> None:
+        """Resolves the futures of the tickets the core moved."""
+        delivered = False
+        for ticket, code in events:
+            delivered = True
+            waiter = self._waiters.pop(ticket, None)
+            fut = waiter[0] if waiter is not None else None
+            if code >= 0:
+                if fut is None or fut.done():
+                    # Its waiter is gone (cannot happen while cancel() runs first, but a
+                    # slot must never leak): hand the slot straight back.
+                    self.deliver(self.core.release(ticket, Outcome.NEUTRAL, now_ms()))
+                else:
+                    fut.set_result(code)
+            elif waiter is not None and fut is not None and not fut.done():
+                if code == _EXPIRED:
+                    fut.set_exception(QueueTimeout(self.retry_after(waiter[1])))
+                elif code == _UNSERVABLE:
+                    fut.set_exception(Unservable(1000))
+        if (delivered and self._waiters) or self._timer is not None:
+            self._arm()
+
+    def retry_after(self, priority: Priority) -> int:
+        """The core's estimate of the wait for a new request of this class, in ms."""
+        return self.core.retry_after_ms(priority, now_ms())
+
+    def _arm(self) -> None:
+        """Keeps one timer at the core's next wakeup (earliest deadline or recovery)."""
+        now = now_ms()
+        at = self.core.next_wakeup(now)
+        if at is None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = self._timer_at = None
+            return
+        if self._timer is not None and self._timer_at is not None and self._timer_at <= at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._timer_at = at
+        self._timer = loop.call_at(loop.time() + max(0, at - now) / 1000, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = self._timer_at = None
+        self.tick()
+
+    def fail_all_waiting(self, exc_factory: type[GatewayError], *args: object) -> int:
+        """Answers every waiter with an error (drain deadline, pool removed)."""
+        n = 0
+        for ticket in list(self._waiters):
+            if self.core.cancel(ticket):
+                fut, _ = self._waiters.pop(ticket)
+                if not fut.done():
+                    fut.set_exception(exc_factory(*args))
+                n += 1
+        return n
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = self._timer_at = None

@@ -1,0 +1,188 @@
+"""Upstream instances: one keep-alive connection pool each, requests built from config alone.
+
+SPEC §7: "The upstream request is built from the config alone: the client's `Authorization`,
+hop-by-hop headers and any URL-like field in the body never steer or reach the upstream;
+upstream redirects are not followed."
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import orjson
+
+from gateway.config import InstanceSpec, Timeouts
+
+__all__ = [
+    "AttemptError",
+    "Upstream",
+    "parse_retry_after_ms",
+    "upstream_error_of",
+]
+
+#: Body fields that could steer a request elsewhere; never forwarded.
+URL_FIELDS = ("api_base", "base_url", "api_key", "organization", "extra_headers")
+
+
+@dataclass(slots=True)
+class AttemptError(Exception):
+    """An attempt that failed before any byte reached the client (so it may be retried).
+
+    `timeout` marks timeouts (504 when it is the last); `retry_after_ms` comes from the
+    upstream's Retry-After; `status` is the upstream status, 0 when none was received.
+    """
+
+    reason: str
+    status: int = 0
+    timeout: bool = False
+    retry_after_ms: int = 0
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def parse_retry_after_ms(headers: Any) -> int:
+    """`retry-after-ms`, or `Retry-After` as seconds or an HTTP date; 0 when absent/invalid."""
+    raw = headers.get("retry-after-ms")
+    if raw:
+        try:
+            return max(0, int(float(raw)))
+        except ValueError:
+            pass
+    raw = headers.get("Retry-After")
+    if not raw:
+        return 0
+    raw = raw.strip()
+    if raw.isdigit():
+        return int(raw) * 1000
+    try:
+        when = email.utils.parsedate_to_datetime(raw)
+    except (TypeError, ValueError):
+        return 0
+    return max(0, int((when.timestamp() - time.time()) * 1000))
+
+
+def upstream_error_of(body: bytes) -> str | None:
+    """The error an upstream reported inside an HTTP 200, if any; `None` for a real success.
+
+    SPEC §6: "An upstream answering HTTP 200 with an error body (Qianfan v1 reports rate limits
+    as 200 with `{"error_code": 336501}`) is treated as that error, not as success."
+    """
+    if b'"error' not in body:
+        return None
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    if data.get("error_code"):
+        return f"upstream error_code {data['error_code']}: {data.get('error_msg', '')}"[:300]
+    err = data.get("error")
+    if err and "choices" not in data and "data" not in data:
+        msg = err.get("message", "") if isinstance(err, dict) else str(err)
+        return f"upstream error: {msg}"[:300]
+    return None
+
+
+class Upstream:
+    """One instance: its connection pool, prebuilt headers and the scrubber for its key."""
+
+    def __init__(self, spec: InstanceSpec, timeouts: Timeouts) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.model = spec.model
+        self.base_url = spec.url.rstrip("/")
+        headers = {
+            "Content-Type": "application/json",
+            # Relay bytes as the upstream sent them, never decompress and re-encode.
+            "Accept-Encoding": "identity",
+        }
+        headers.update(spec.headers)
+        if spec.api_key:
+            headers["Authorization"] = f"Bearer {spec.api_key}"
+        self._headers = headers
+        self._secret = spec.api_key.encode() if spec.api_key else b""
+        root = urlsplit(self.base_url)
+        # Probe paths are written from the server root (`/v1/models`), not the base URL.
+        self._root = f"{root.scheme}://{root.netloc}"
+        self.timeouts = timeouts
+        self._session: aiohttp.ClientSession | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        """The keep-alive pool, created lazily inside the running loop."""
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(
+                limit=0,  # the core bounds concurrency per instance
+                keepalive_timeout=30,
+                enable_cleanup_closed=False,
+                ttl_dns_cache=60,
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=self.timeouts.connect_ms / 1000
+                ),
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent",),
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
+        return self._session
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    def body_for(self, request: dict[str, Any]) -> bytes:
+        """The upstream body: the client's JSON with `model` set to this instance's model and
+        URL-like fields removed."""
+        out = {k: v for k, v in request.items() if k not in URL_FIELDS}
+        out["model"] = self.model
+        return orjson.dumps(out)
+
+    async def open(self, path: str, body: bytes, first_byte_s: float) -> aiohttp.ClientResponse:
+        """Sends the request; returns once the response head arrived. Raises `AttemptError`
+        on connect errors, resets and the first-byte timeout."""
+        try:
+            async with asyncio.timeout(first_byte_s):
+                return await self.session().post(
+                    self.url(path),
+                    data=body,
+                    headers=self._headers,
+                    allow_redirects=False,
+                )
+        except TimeoutError as exc:
+            raise AttemptError("upstream did not answer in time", timeout=True) from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise AttemptError(f"cannot connect to upstream ({exc.os_error.strerror})") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise AttemptError(f"upstream connection failed ({type(exc).__name__})") from exc
+
+    def scrub(self, data: bytes) -> bytes:
+        """Removes this instance's key from bytes about to leave the gateway."""
+        if self._secret and self._secret in data:
+            return data.replace(self._secret, b"[redacted]")
+        return data
+
+    async def probe(self, path: str, timeout_s: float) -> bool:
+        """A zero-token health probe: `GET path` answered 2xx within the timeout."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self.session().get(
+                    self._root + path,
+                    headers=self._headers,
+                    allow_redirects=False,
+                ) as resp:
+                    await resp.read()
+                    return 200 <= resp.status < 300
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return False
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()

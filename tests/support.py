@@ -1,0 +1,86 @@
+"""Helpers shared by the tests: handles on running servers, config and request builders."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from gateway.app import Gateway
+from gateway.mock import MockServer
+
+MockFactory = Callable[..., Awaitable[MockServer]]
+
+
+@dataclass
+class RunningGateway:
+    gateway: Gateway
+    url: str  # http://127.0.0.1:PORT
+    session: aiohttp.ClientSession
+
+    @property
+    def base_url(self) -> str:
+        """What an OpenAI client is given."""
+        return self.url + "/v1"
+
+    async def state(self) -> dict[str, Any]:
+        async with self.session.get(self.url + "/admin/state") as resp:
+            assert resp.status == 200
+            data: dict[str, Any] = await resp.json()
+            return data
+
+    async def assert_quiet(self, timeout: float = 5.0) -> None:
+        """Every counter exact: a quiet gateway shows 0 queued and 0 in flight."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = await self.state()
+            busy = [
+                (name, pool["queued"], [i["in_flight"] for i in pool["instances"]])
+                for name, pool in state["pools"].items()
+                if pool["queued"]["high"]
+                or pool["queued"]["low"]
+                or any(i["in_flight"] for i in pool["instances"])
+            ]
+            if not busy:
+                for pool in self.gateway.runtime.pools.values():
+                    assert pool.scheduler.core.outstanding == 0
+                    assert not pool.scheduler._waiters
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"gateway not quiet: {busy}")
+            await asyncio.sleep(0.02)
+
+    async def post(self, path: str, body: Any, **kw: Any) -> aiohttp.ClientResponse:
+        return await self.session.post(self.url + path, json=body, **kw)
+
+
+def pool_config(*instances: MockServer | tuple[MockServer, int], **extra: Any) -> dict[str, Any]:
+    """A pool section over mock backends (`(mock, max_concurrency)` or a mock with 4 slots)."""
+    out = []
+    for n, item in enumerate(instances):
+        mock, maxc = item if isinstance(item, tuple) else (item, 4)
+        out.append(
+            {"name": f"m{mock.port}-{n}", "url": mock.url, "model": "up-model",
+             "api_key": "sk-upstream-secret", "max_concurrency": maxc}
+        )
+    return {"instances": out, **extra}
+
+
+GatewayFactory = Callable[..., Awaitable[RunningGateway]]
+
+
+def simple_config(pool: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """One pool `p` behind the aliases `m` (bound) and `auto`."""
+    return {
+        "pools": {"p": pool},
+        "models": {"m": {"pool": "p"}},
+        **extra,
+    }
+
+
+def chat(text: str = "hi", model: str = "m", **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": text}], **extra}
