@@ -9,12 +9,12 @@ import aiohttp
 import pytest
 import yaml
 from aiohttp import web
-from support import GatewayFactory, MockFactory, RunningGateway
 
 from gateway.app import Gateway
 from gateway.config import parse_config
 from gateway.health import Prober
 from gateway.mock import MockBehavior, MockServer
+from support import GatewayFactory, MockFactory, RunningGateway
 
 
 @pytest.fixture

@@ -33,9 +33,9 @@ class RunningGateway:
             data: dict[str, Any] = await resp.json()
             return data
 
-    async def assert_quiet(self, timeout: float = 5.0) -> None:
+    async def assert_quiet(self, within: float = 5.0) -> None:
         """Every counter exact: a quiet gateway shows 0 queued and 0 in flight."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + within
         while True:
             state = await self.state()
             busy = [
@@ -64,8 +64,13 @@ def pool_config(*instances: MockServer | tuple[MockServer, int], **extra: Any) -
     for n, item in enumerate(instances):
         mock, maxc = item if isinstance(item, tuple) else (item, 4)
         out.append(
-            {"name": f"m{mock.port}-{n}", "url": mock.url, "model": "up-model",
-             "api_key": "sk-upstream-secret", "max_concurrency": maxc}
+            {
+                "name": f"m{mock.port}-{n}",
+                "url": mock.url,
+                "model": "up-model",
+                "api_key": "sk-upstream-secret",
+                "max_concurrency": maxc,
+            }
         )
     return {"instances": out, **extra}
 

@@ -11,7 +11,9 @@ import pytest
 from support import GatewayFactory, MockFactory, chat, pool_config, simple_config
 
 
-async def test_async_client_chat_completion(mocks: MockFactory, gateway_factory: GatewayFactory) -> None:
+async def test_async_client_chat_completion(
+    mocks: MockFactory, gateway_factory: GatewayFactory
+) -> None:
     m = await mocks()
     gw = await gateway_factory(simple_config(pool_config(m)))
     client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="client-key", max_retries=0)
@@ -42,7 +44,9 @@ async def test_async_client_streams_incrementally(
     gw = await gateway_factory(simple_config(pool_config(m)))
     async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="k", max_retries=0) as client:
         stream = await client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "hi"}], stream=True,
+            model="m",
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
             stream_options={"include_usage": True},
         )
         arrivals = []
@@ -88,8 +92,9 @@ async def test_completions_embeddings_and_models(
     mocks: MockFactory, gateway_factory: GatewayFactory
 ) -> None:
     m = await mocks()
-    gw = await gateway_factory(simple_config(pool_config(m), models={"m": {"pool": "p"},
-                                                                     "m2": {"pool": "p"}}))
+    gw = await gateway_factory(
+        simple_config(pool_config(m), models={"m": {"pool": "p"}, "m2": {"pool": "p"}})
+    )
     async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="k", max_retries=0) as client:
         comp = await client.completions.create(model="m", prompt="int main(){}", max_tokens=5)
         assert comp.choices[0].text

@@ -128,6 +128,8 @@ class Gateway:
         # (or, for a started stream, an error event) instead of being cut silently.
         self._hard_stopped = False
         self._active: set[asyncio.Task[Any]] = set()
+        # Set by the last request to finish once draining started.
+        self._idle: asyncio.Event | None = None
         self._boot = os.urandom(4).hex()
         self._routes: dict[tuple[str, str], Handler] = {
             ("GET", "/livez"): self.livez,
@@ -162,7 +164,9 @@ class Gateway:
         if handler is None:
             status = 405 if any(p == request.path for _, p in self._routes) else 404
             code = "method_not_allowed" if status == 405 else "not_found"
-            return error_response(HttpError(status, code, f"No route {request.method} {request.path}"))
+            return error_response(
+                HttpError(status, code, f"No route {request.method} {request.path}")
+            )
         try:
             return await handler(request)
         except HttpError as err:
@@ -183,24 +187,25 @@ class Gateway:
         error event."""
         self.draining = True
         await site.stop()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.runtime.config.shutdown.drain_timeout_ms / 1000
-        while self._active and loop.time() < deadline:
-            await asyncio.sleep(0.02)
+        self._idle = asyncio.Event()
+        if not self._active:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.runtime.config.shutdown.drain_timeout_ms / 1000):
+                await self._idle.wait()
         if not self._active:
             return
         self._hard_stopped = True
-        log.warning(
-            "drain deadline passed", extra={"fields": {"unfinished": len(self._active)}}
-        )
+        log.warning("drain deadline passed", extra={"fields": {"unfinished": len(self._active)}})
         for pool in self.runtime.pools.values():
             pool.scheduler.fail_all_waiting(Draining)
         for task in list(self._active):
             task.cancel()
-        # Give the cancelled handlers a moment to answer.
-        end = loop.time() + 2.0
-        while self._active and loop.time() < end:
-            await asyncio.sleep(0.01)
+        # The cancelled handlers answer 503 or end their stream with an error event.
+        self._idle.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(2.0):
+                await self._idle.wait()
 
     # ---- small endpoints -----------------------------------------------------------------
 
@@ -254,7 +259,9 @@ class Gateway:
                         "in_flight": info.in_flight,
                         "max_concurrency": info.max_concurrency,
                         "consecutive_failures": info.consecutive_failures,
-                        "ejected_until": None if until is None else round(until / 1000 + unix_offset, 3),
+                        "ejected_until": None
+                        if until is None
+                        else round(until / 1000 + unix_offset, 3),
                         "next_try_at": round(info.next_try_ms / 1000 + unix_offset, 3),
                         "ejections": info.ejections,
                         "removed": info.removed,
@@ -298,7 +305,9 @@ class Gateway:
             return "anonymous", None, 0
         presented = _bearer(request.headers)
         if presented is None:
-            raise HttpError(401, "invalid_api_key", "Missing API key: send 'Authorization: Bearer <key>'.")
+            raise HttpError(
+                401, "invalid_api_key", "Missing API key: send 'Authorization: Bearer <key>'."
+            )
         found = None
         # Constant-time: compare against every key, whatever matched.
         for key, name, prio, tenant in self._keys:
@@ -340,7 +349,9 @@ class Gateway:
         self._active.add(task)
         try:
             if self.draining:
-                raise HttpError(503, "draining", "The gateway is shutting down.", retry_after_ms=1000)
+                raise HttpError(
+                    503, "draining", "The gateway is shutting down.", retry_after_ms=1000
+                )
             _, key_priority, tenant = self._authenticate(request)
             body = await self._read_body(request)
             data = parse_request(body, endpoint)
@@ -366,6 +377,8 @@ class Gateway:
             resp = error_response(stop, ex.headers())
         finally:
             self._active.discard(task)
+            if not self._active and self._idle is not None:
+                self._idle.set()
         ex.status = ex.status or resp.status
         self._log(ex)
         return resp
@@ -395,7 +408,9 @@ class Gateway:
                         )
                     chunks.append(chunk)
         except TimeoutError:
-            raise HttpError(408, "request_timeout", "The request body arrived too slowly.") from None
+            raise HttpError(
+                408, "request_timeout", "The request body arrived too slowly."
+            ) from None
         return b"".join(chunks)
 
     async def _dispatch(
@@ -566,7 +581,9 @@ class Gateway:
         except AttemptError as err:
             return err, Outcome.FAILURE
         if not first:
-            return AttemptError(f"{upstream.name} closed the stream before any data"), Outcome.FAILURE
+            return AttemptError(
+                f"{upstream.name} closed the stream before any data"
+            ), Outcome.FAILURE
         if first.lstrip()[:1] == b"{" and upstream_error_of(first) is not None:
             return AttemptError(f"{upstream.name}: {upstream_error_of(first)}"), Outcome.FAILURE
         headers = ex.headers()

@@ -32,7 +32,8 @@ __all__ = [
 
 
 class ConfigError(GatewayError):
-    """A configuration that cannot be used. `path` is the field (e.g. `pools.light.instances[0].url`)."""
+    """A configuration that cannot be used; `path` names the field, e.g.
+    `pools.light.instances[0].url`."""
 
     def __init__(self, path: str, reason: str) -> None:
         super().__init__(f"{path}: {reason}" if path else reason)

@@ -13,7 +13,7 @@ import orjson
 
 from gateway.responses import HttpError
 
-__all__ = ["Endpoint", "ENDPOINTS", "parse_request"]
+__all__ = ["ENDPOINTS", "Endpoint", "parse_request"]
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]

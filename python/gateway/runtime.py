@@ -58,11 +58,7 @@ class PoolRuntime:
     def live_upstreams(self) -> list[tuple[int, Upstream]]:
         """The instances of the current config (not the removed, draining ones)."""
         core = self.scheduler.core
-        return [
-            (i, u)
-            for i, u in enumerate(self.upstreams)
-            if not core.instance(i, 0).removed
-        ]
+        return [(i, u) for i, u in enumerate(self.upstreams) if not core.instance(i, 0).removed]
 
 
 class Runtime:
@@ -87,8 +83,10 @@ class Runtime:
 
     def quiet(self) -> bool:
         """Nothing waiting and nothing in flight anywhere."""
-        return all(p.scheduler.core.waiting == 0 and p.scheduler.core.in_flight == 0
-                   for p in self.pools.values())
+        return all(
+            p.scheduler.core.waiting == 0 and p.scheduler.core.in_flight == 0
+            for p in self.pools.values()
+        )
 
     async def close(self) -> None:
         for pool in self.pools.values():

@@ -8,6 +8,7 @@ core grants, expires or evicts it, and one timer per pool armed at the core's ne
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterable
 
@@ -84,10 +85,8 @@ class PoolScheduler:
         self._waiters.pop(ticket, None)
         if not self.core.cancel(ticket):
             # Granted in the same loop iteration the cancellation arrived in.
-            try:
+            with contextlib.suppress(_core.UnknownTicket):  # expired or evicted: nothing held
                 self.release(ticket, Outcome.NEUTRAL)
-            except _core.UnknownTicket:
-                pass  # expired or evicted: nothing is held
 
     def release(self, ticket: int, outcome: Outcome, retry_after_ms: int = 0) -> None:
         """An attempt ended; the freed slot goes to whoever the core picks."""
