@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -34,7 +34,14 @@ from gateway.responses import HttpError, error_response, sse_error_event
 from gateway.router import Decision
 from gateway.runtime import PoolRuntime, Runtime
 from gateway.scheduler import Draining, QueueTimeout
-from gateway.upstream import AttemptError, Upstream, parse_retry_after_ms, upstream_error_of
+from gateway.sse import MalformedEvent, SseChecker
+from gateway.upstream import (
+    AttemptError,
+    Upstream,
+    inspect_body,
+    parse_retry_after_ms,
+    upstream_error_of,
+)
 
 __all__ = ["Gateway"]
 
@@ -62,7 +69,7 @@ class Exchange:
     waited_as: Priority | None = None
     status: int = 0
     error: str | None = None
-    extra: dict[str, str] = field(default_factory=dict)
+    usage: dict[str, Any] | None = None
 
     def headers(self) -> dict[str, str]:
         h = {"X-Request-Id": self.request_id}
@@ -542,7 +549,7 @@ class Gateway:
                 result, outcome = await self._relay_stream(request, ex, resp_up, upstream, deadline)
                 return result
             raw = await _read_all(resp_up, deadline)
-            err = upstream_error_of(raw)
+            err, ex.usage = inspect_body(raw)
             if err is not None:
                 outcome = Outcome.FAILURE
                 return AttemptError(f"{upstream.name}: {err}", status=status)
@@ -586,6 +593,11 @@ class Gateway:
             ), Outcome.FAILURE
         if first.lstrip()[:1] == b"{" and upstream_error_of(first) is not None:
             return AttemptError(f"{upstream.name}: {upstream_error_of(first)}"), Outcome.FAILURE
+        checker = SseChecker()
+        try:
+            out = checker.feed(first)
+        except MalformedEvent as err:
+            return AttemptError(f"{upstream.name}: {err}"), Outcome.FAILURE
         headers = ex.headers()
         headers.update(
             {
@@ -596,10 +608,17 @@ class Gateway:
         )
         resp = web.StreamResponse(status=200, headers=headers)
         await resp.prepare(request)
+        failure: tuple[str, str] | None = None
         try:
-            await resp.write(first)
+            if out:
+                await resp.write(out)
             while chunk := await _read_chunk(content, idle, deadline):
-                await resp.write(chunk)
+                out = checker.feed(chunk)
+                if out:
+                    await resp.write(out)
+            out = checker.finish()
+            if out:
+                await resp.write(out)
         except asyncio.CancelledError:
             if self._hard_stopped:
                 with contextlib.suppress(Exception):
@@ -610,14 +629,25 @@ class Gateway:
             # The client left mid-stream: nothing to tell it; the upstream is closed below.
             return resp, Outcome.NEUTRAL
         except AttemptError as err:
+            failure = ("upstream_timeout" if err.timeout else "upstream_error", str(err))
+        except MalformedEvent as err:
+            failure = ("upstream_error", str(err))
+        ex.usage = checker.usage
+        if failure is not None:
             # SPEC §6: "its failure ends the stream with an error event ... never a silent
             # cut, never a fake [DONE]".
-            code = "upstream_timeout" if err.timeout else "upstream_error"
+            code, why = failure
             ex.error = code
-            await resp.write(sse_error_event(code, f"The upstream stream failed: {err}."))
-            await resp.write_eof()
+            with contextlib.suppress(ConnectionResetError):
+                await resp.write(sse_error_event(code, f"The upstream stream failed: {why}."))
+                await resp.write_eof()
             return resp, Outcome.FAILURE
         await resp.write_eof()
+        if checker.upstream_error is not None:
+            # The upstream itself reported an error inside the stream (vLLM does): the
+            # client already has that event; the instance failed this request.
+            ex.error = "upstream_error"
+            return resp, Outcome.FAILURE
         return resp, Outcome.SUCCESS
 
     def _log(self, ex: Exchange) -> None:

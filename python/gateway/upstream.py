@@ -23,6 +23,7 @@ __all__ = [
     "AttemptError",
     "Upstream",
     "parse_retry_after_ms",
+    "inspect_body",
     "upstream_error_of",
 ]
 
@@ -68,27 +69,35 @@ def parse_retry_after_ms(headers: Any) -> int:
     return max(0, int((when.timestamp() - time.time()) * 1000))
 
 
-def upstream_error_of(body: bytes) -> str | None:
-    """The error an upstream reported inside an HTTP 200, if any; `None` for a real success.
+def inspect_body(body: bytes) -> tuple[str | None, dict[str, Any] | None]:
+    """One parse of a complete upstream JSON body: the error it reports inside an HTTP 200,
+    if any, and its `usage`.
 
     SPEC §6: "An upstream answering HTTP 200 with an error body (Qianfan v1 reports rate limits
     as 200 with `{"error_code": 336501}`) is treated as that error, not as success."
     """
-    if b'"error' not in body:
-        return None
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return None
+        return None, None
     if not isinstance(data, dict):
-        return None
+        return None, None
+    usage = data.get("usage")
+    usage = usage if isinstance(usage, dict) else None
     if data.get("error_code"):
-        return f"upstream error_code {data['error_code']}: {data.get('error_msg', '')}"[:300]
+        return f"error_code {data['error_code']}: {data.get('error_msg', '')}"[:300], usage
     err = data.get("error")
     if err and "choices" not in data and "data" not in data:
         msg = err.get("message", "") if isinstance(err, dict) else str(err)
-        return f"upstream error: {msg}"[:300]
-    return None
+        return f"upstream error: {msg}"[:300], usage
+    return None, usage
+
+
+def upstream_error_of(body: bytes) -> str | None:
+    """The error an upstream reported inside an HTTP 200, if any; `None` for a real success."""
+    if b'"error' not in body:
+        return None
+    return inspect_body(body)[0]
 
 
 class Upstream:

@@ -1,0 +1,129 @@
+"""The command line as an operator uses it: real processes, real signals."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import aiohttp
+import pytest
+from support import MockFactory
+
+GATEWAY = [sys.executable, "-m", "gateway.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _config(tmp_path: Path, url: str, port: int, extra: str = "") -> Path:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(
+        textwrap.dedent(
+            f"""\
+            listen: {{host: 127.0.0.1, port: {port}}}
+            health: {{probe: {{enabled: false}}}}
+            shutdown: {{drain_timeout_ms: 3000}}
+            pools:
+              light:
+                instances:
+                  - {{name: qwen-a, url: "{url}", model: Qwen2.5-7B, max_concurrency: 2,
+                      api_key: "${{UPSTREAM_KEY}}"}}
+            models:
+              judge-lite: {{pool: light}}
+            """
+        )
+        + extra
+    )
+    return path
+
+
+def test_check_prints_the_routing_table_without_secrets(tmp_path: Path) -> None:
+    path = _config(tmp_path, "http://127.0.0.1:9/v1", 8080)
+    env = {**os.environ, "UPSTREAM_KEY": "sk-canary-0123456789"}
+    out = subprocess.run([*GATEWAY, "check", str(path)], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "judge-lite" in out.stdout and "qwen-a" in out.stdout and "light" in out.stdout
+    assert "sk-canary" not in out.stdout + out.stderr
+
+
+def test_check_names_the_field_of_an_invalid_config(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        "pools:\n  light:\n    instances:\n"
+        "      - {name: a, url: 'http://x/v1', model: m, max_concurrency: 0}\n"
+        "models:\n  m: {pool: light}\n"
+    )
+    out = subprocess.run([*GATEWAY, "check", str(path)], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "pools.light.instances[0].max_concurrency" in out.stderr
+
+
+async def _wait_listening(port: int, proc: asyncio.subprocess.Process) -> None:
+    for _ in range(200):
+        assert proc.returncode is None, "gateway exited early"
+        try:
+            _, w = await asyncio.open_connection("127.0.0.1", port)
+            w.close()
+            return
+        except OSError:
+            await asyncio.sleep(0.05)
+    raise AssertionError("gateway never listened")
+
+
+@pytest.mark.timeout(60)
+async def test_serve_then_sigterm_drains_in_flight_requests(
+    tmp_path: Path, mocks: MockFactory
+) -> None:
+    m = await mocks(latency_ms=600)
+    port = _free_port()
+    path = _config(tmp_path, m.url, port)
+    env = {**os.environ, "UPSTREAM_KEY": "sk-canary-0123456789"}
+    proc = await asyncio.create_subprocess_exec(
+        *GATEWAY,
+        "--log-format",
+        "json",
+        "serve",
+        "--config",
+        str(path),
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        await _wait_listening(port, proc)
+        url = f"http://127.0.0.1:{port}"
+        body = {"model": "judge-lite", "messages": [{"role": "user", "content": "hi"}]}
+        async with aiohttp.ClientSession() as s:
+
+            async def one() -> int:
+                async with s.post(url + "/v1/chat/completions", json=body) as r:
+                    await r.read()
+                    return r.status
+
+            # 2 in flight, 2 queued behind them
+            tasks = [asyncio.create_task(one()) for _ in range(4)]
+            await asyncio.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)
+            statuses = await asyncio.gather(*tasks)
+        assert statuses == [200, 200, 200, 200]
+        # new connections stop once draining
+        with pytest.raises(OSError):
+            await asyncio.open_connection("127.0.0.1", port)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    _, err = await proc.communicate()
+    log = err.decode()
+    assert '"status":200' in log  # one JSON access line per request
+    assert "sk-canary" not in log
