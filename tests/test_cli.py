@@ -13,6 +13,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+
 from support import MockFactory
 
 GATEWAY = [sys.executable, "-m", "gateway.cli"]

@@ -9,9 +9,9 @@ from typing import Any
 
 import openai
 import pytest
-from support import GatewayFactory, MockFactory, RunningGateway, chat, pool_config
 
 from gateway.mock import MockServer
+from support import GatewayFactory, MockFactory, RunningGateway, chat, pool_config
 
 
 def two_pool_config(primary: dict[str, Any], **extra: Any) -> dict[str, Any]:

@@ -22,8 +22,8 @@ from gateway.config import InstanceSpec, Timeouts
 __all__ = [
     "AttemptError",
     "Upstream",
-    "parse_retry_after_ms",
     "inspect_body",
+    "parse_retry_after_ms",
     "upstream_error_of",
 ]
 
