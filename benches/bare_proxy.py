@@ -17,9 +17,7 @@ from aiohttp import web
 
 
 async def main(port: int, upstream: str) -> None:
-    session = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), auto_decompress=False
-    )
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
 
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
         body = await request.read()

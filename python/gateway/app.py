@@ -28,6 +28,7 @@ from aiohttp.web_protocol import RequestHandler
 from gateway import __version__
 from gateway._core import Outcome, Priority
 from gateway.config import Config
+from gateway.deadline import Watchdog
 from gateway.errors import NoHealthyInstance, QueueFull, retry_after_ms
 from gateway.messages import ENDPOINTS, Endpoint, parse_request
 from gateway.responses import HttpError, error_response, sse_error_event
@@ -60,6 +61,7 @@ class Exchange:
 
     request_id: str
     started: float
+    watchdog: Watchdog
     decision: Decision | None = None
     pool: str | None = None
     instance: str | None = None
@@ -350,7 +352,7 @@ class Gateway:
     async def proxy(self, request: web.BaseRequest, endpoint: Endpoint) -> web.StreamResponse:
         runtime = self.runtime
         ticket = runtime.next_ticket()
-        ex = Exchange(self._request_id(request, ticket), time.monotonic())
+        ex = Exchange(self._request_id(request, ticket), time.monotonic(), Watchdog())
         task = asyncio.current_task()
         assert task is not None
         self._active.add(task)
@@ -360,7 +362,7 @@ class Gateway:
                     503, "draining", "The gateway is shutting down.", retry_after_ms=1000
                 )
             _, key_priority, tenant = self._authenticate(request)
-            body = await self._read_body(request)
+            body = await self._read_body(request, ex.watchdog)
             data = parse_request(body, endpoint)
             ex.decision = runtime.router.decide(data["model"], request.headers, data, key_priority)
             resp = await self._dispatch(request, ex, endpoint, data, ticket, tenant)
@@ -390,7 +392,7 @@ class Gateway:
         self._log(ex)
         return resp
 
-    async def _read_body(self, request: web.BaseRequest) -> bytes:
+    async def _read_body(self, request: web.BaseRequest, watchdog: Watchdog) -> bytes:
         cfg = self.runtime.config
         ctype = request.headers.get("Content-Type", "")
         mime = ctype.split(";", 1)[0].strip().lower()
@@ -401,23 +403,34 @@ class Gateway:
                 f"Content-Type must be application/json, not {mime or 'missing'!r}.",
             )
         limit = cfg.max_body_bytes
+        too_large = HttpError(413, "request_too_large", f"The request body exceeds {limit} bytes.")
         if request.content_length is not None and request.content_length > limit:
-            raise HttpError(413, "request_too_large", f"The request body exceeds {limit} bytes.")
+            raise too_large
+        content = request.content
+        if content.is_eof():
+            # The whole body came with the head (the usual case): no waiting, no timer.
+            body = await content.read()
+            if len(body) > limit:
+                raise too_large
+            return body
         chunks: list[bytes] = []
         size = 0
+        # SPEC §7: "a deadline on reading request headers and body (slowloris)".
+        watchdog.arm_in(cfg.limits.body_timeout_ms / 1000)
         try:
-            async with asyncio.timeout(cfg.limits.body_timeout_ms / 1000):
-                while chunk := await request.content.readany():
-                    size += len(chunk)
-                    if size > limit:
-                        raise HttpError(
-                            413, "request_too_large", f"The request body exceeds {limit} bytes."
-                        )
-                    chunks.append(chunk)
-        except TimeoutError:
-            raise HttpError(
-                408, "request_timeout", "The request body arrived too slowly."
-            ) from None
+            while chunk := await content.readany():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except asyncio.CancelledError:
+            if watchdog.absorb():
+                raise HttpError(
+                    408, "request_timeout", "The request body arrived too slowly."
+                ) from None
+            raise
+        finally:
+            watchdog.disarm()
         return b"".join(chunks)
 
     async def _dispatch(
@@ -517,17 +530,27 @@ class Gateway:
         outcome = Outcome.NEUTRAL
         cool_ms = 0
         resp_up: aiohttp.ClientResponse | None = None
-        t0 = time.monotonic()
+        watchdog = ex.watchdog
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
         deadline = t0 + timeouts.total_ms / 1000
         try:
-            resp_up = await upstream.open(
-                endpoint.path, upstream.body_for(data), timeouts.first_byte_ms / 1000
-            )
+            # SPEC §6 timeouts: first byte, then the attempt's total.
+            watchdog.arm(min(t0 + timeouts.first_byte_ms / 1000, deadline))
+            try:
+                resp_up = await upstream.open(endpoint.path, upstream.body_for(data))
+            except asyncio.CancelledError:
+                if watchdog.absorb():
+                    raise AttemptError(
+                        f"{upstream.name} sent no response head in time", timeout=True
+                    ) from None
+                raise
+            watchdog.arm(deadline)
             status = resp_up.status
             if status >= 500 or status in (408, 429) or 300 <= status < 400:
                 # SPEC §6: 5xx/429 (and 408) are the instance's failures; a redirect is not
                 # followed and means a misconfigured instance.
-                await _read_all(resp_up, deadline)
+                await _read_all(resp_up, watchdog)
                 if status in (429, 503):
                     cool_ms = parse_retry_after_ms(resp_up.headers)
                 outcome = Outcome.FAILURE
@@ -538,7 +561,7 @@ class Gateway:
                 )
             if status >= 400:
                 # SPEC §6: "4xx other than 408/429 is the client's fault and passes through".
-                raw = await _read_all(resp_up, deadline)
+                raw = await _read_all(resp_up, watchdog)
                 return web.Response(
                     status=status,
                     body=upstream.scrub(raw),
@@ -546,9 +569,11 @@ class Gateway:
                     headers=ex.headers(),
                 )
             if data.get("stream") and resp_up.content_type == "text/event-stream":
-                result, outcome = await self._relay_stream(request, ex, resp_up, upstream, deadline)
+                result, outcome = await self._relay_stream(
+                    request, ex, resp_up, upstream, watchdog, deadline
+                )
                 return result
-            raw = await _read_all(resp_up, deadline)
+            raw = await _read_all(resp_up, watchdog)
             err, ex.usage = inspect_body(raw)
             if err is not None:
                 outcome = Outcome.FAILURE
@@ -564,7 +589,8 @@ class Gateway:
             outcome = Outcome.FAILURE
             return err
         finally:
-            ex.upstream_ms += (time.monotonic() - t0) * 1000
+            watchdog.disarm()
+            ex.upstream_ms += (loop.time() - t0) * 1000
             if resp_up is not None:
                 # An unfinished body means the upstream is still working: closing the
                 # connection cancels it there (client gone, stream failed).
@@ -577,6 +603,7 @@ class Gateway:
         ex: Exchange,
         resp_up: aiohttp.ClientResponse,
         upstream: Upstream,
+        watchdog: Watchdog,
         deadline: float,
     ) -> tuple[web.StreamResponse | AttemptError, Outcome]:
         """SSE passed through chunk by chunk. Until the first byte is written the attempt may
@@ -584,7 +611,7 @@ class Gateway:
         idle = self.runtime.config.timeouts.stream_idle_ms / 1000
         content = resp_up.content
         try:
-            first = await _read_chunk(content, idle, deadline)
+            first = await _read_chunk(content, watchdog, idle, deadline)
         except AttemptError as err:
             return err, Outcome.FAILURE
         if not first:
@@ -612,7 +639,7 @@ class Gateway:
         try:
             if out:
                 await resp.write(out)
-            while chunk := await _read_chunk(content, idle, deadline):
+            while chunk := await _read_chunk(content, watchdog, idle, deadline):
                 out = checker.feed(chunk)
                 if out:
                     await resp.write(out)
@@ -687,24 +714,28 @@ def _bearer(headers: Mapping[str, str]) -> bytes | None:
     return token.strip().encode()
 
 
-async def _read_all(resp: aiohttp.ClientResponse, deadline: float) -> bytes:
-    """The whole upstream body, within the attempt's total deadline."""
+async def _read_all(resp: aiohttp.ClientResponse, watchdog: Watchdog) -> bytes:
+    """The whole upstream body, within the deadline the watchdog holds."""
     try:
-        async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-            return await resp.read()
-    except TimeoutError:
-        raise AttemptError("upstream body did not arrive in time", timeout=True) from None
+        return await resp.read()
+    except asyncio.CancelledError:
+        if watchdog.absorb():
+            raise AttemptError("upstream body did not arrive in time", timeout=True) from None
+        raise
     except (aiohttp.ClientError, OSError) as exc:
         raise AttemptError(f"upstream connection failed ({type(exc).__name__})") from None
 
 
-async def _read_chunk(content: aiohttp.StreamReader, idle: float, deadline: float) -> bytes:
-    """The next piece of a stream, within the idle timeout and the total deadline."""
-    wait = min(idle, deadline - time.monotonic())
+async def _read_chunk(
+    content: aiohttp.StreamReader, watchdog: Watchdog, idle: float, deadline: float
+) -> bytes:
+    """The next piece of a stream, within the idle timeout and the attempt's total deadline."""
+    watchdog.arm(min(asyncio.get_running_loop().time() + idle, deadline))
     try:
-        async with asyncio.timeout(max(0.0, wait)):
-            return await content.readany()
-    except TimeoutError:
-        raise AttemptError("upstream stream stalled", timeout=True) from None
+        return await content.readany()
+    except asyncio.CancelledError:
+        if watchdog.absorb():
+            raise AttemptError("upstream stream stalled", timeout=True) from None
+        raise
     except (aiohttp.ClientError, OSError) as exc:
         raise AttemptError(f"upstream cut the stream ({type(exc).__name__})") from None

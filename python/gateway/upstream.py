@@ -154,19 +154,13 @@ class Upstream:
         out["model"] = self.model
         return orjson.dumps(out)
 
-    async def open(self, path: str, body: bytes, first_byte_s: float) -> aiohttp.ClientResponse:
+    async def open(self, path: str, body: bytes) -> aiohttp.ClientResponse:
         """Sends the request; returns once the response head arrived. Raises `AttemptError`
-        on connect errors, resets and the first-byte timeout."""
+        on connect errors and resets (the caller bounds the time)."""
         try:
-            async with asyncio.timeout(first_byte_s):
-                return await self.session().post(
-                    self.url(path),
-                    data=body,
-                    headers=self._headers,
-                    allow_redirects=False,
-                )
-        except TimeoutError as exc:
-            raise AttemptError("upstream did not answer in time", timeout=True) from exc
+            return await self.session().post(
+                self.url(path), data=body, headers=self._headers, allow_redirects=False
+            )
         except aiohttp.ClientConnectorError as exc:
             raise AttemptError(f"cannot connect to upstream ({exc.os_error.strerror})") from exc
         except (aiohttp.ClientError, OSError) as exc:

@@ -1,0 +1,228 @@
+"""End-to-end proxy overhead: direct vs the bare aiohttp proxy vs the gateway, side by side.
+
+One process tree: the mock backend, the bare proxy and the gateway are started here; the
+proxies are pinned to core 0, the mock and the load generator (wrk) to core 1. For each target
+wrk runs a fixed duration; we report req/s, p50/p99 latency and the proxy process's CPU time per
+request read from /proc (user + system), and ratios to the bare proxy measured in the same run.
+
+    .venv/bin/python benches/e2e.py --duration 10 --rounds 2
+
+Needs wrk (Debian: apt-get install wrk) and taskset (util-linux).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+BODY = (
+    '{"model":"m","messages":[{"role":"user","content":'
+    '"does this compile? int main(){return 0;}"}],"max_tokens":8}'
+)
+STREAM_BODY = BODY[:-1] + ',"stream":true}'
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def wait_port(port: int, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listening on {port}")
+
+
+@dataclass
+class Result:
+    name: str
+    conns: int
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    cpu_us: float | None
+
+
+def parse_latency(text: str, pct: str) -> float:
+    m = re.search(rf"^\s*{pct}%\s+([\d.]+)(us|ms|s)\s*$", text, re.M)
+    if not m:
+        return float("nan")
+    value, unit = float(m.group(1)), m.group(2)
+    return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
+
+
+def run_wrk(url: str, conns: int, duration: float, body: str, pid: int | None) -> Result:
+    script = tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False)
+    body_lua = body.replace("\\", "\\\\").replace('"', '\\"')
+    script.write(
+        f'wrk.method = "POST"\nwrk.body = "{body_lua}"\n'
+        'wrk.headers["Content-Type"] = "application/json"\n'
+    )
+    script.close()
+    cpu0 = cpu_seconds(pid) if pid else 0.0
+    out = subprocess.run(
+        [
+            "taskset",
+            "-c",
+            "1",
+            "wrk",
+            "-t1",
+            f"-c{conns}",
+            f"-d{max(1, round(duration))}s",
+            "--latency",
+            "-s",
+            script.name,
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    cpu1 = cpu_seconds(pid) if pid else 0.0
+    os.unlink(script.name)
+    total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
+    if "Non-2xx" in out:
+        raise RuntimeError(f"errors from {url}:\n{out}")
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    return Result(
+        "",
+        conns,
+        rps,
+        parse_latency(out, "50"),
+        parse_latency(out, "99"),
+        (cpu1 - cpu0) / total * 1e6 if pid else None,
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--stream", action="store_true", help="also measure streaming")
+    ap.add_argument("--access-log", action="store_true", help="gateway logs every request")
+    args = ap.parse_args()
+    for tool in ("wrk", "taskset"):
+        if not shutil.which(tool):
+            print(f"{tool} is required (apt-get install wrk util-linux)", file=sys.stderr)
+            return 2
+
+    mock_port, bare_port, gw_port = free_port(), free_port(), free_port()
+    tmp = Path(tempfile.mkdtemp())
+    cfg = tmp / "gateway.yaml"
+    cfg.write_text(
+        textwrap.dedent(f"""\
+        listen: {{host: 127.0.0.1, port: {gw_port}}}
+        pools:
+          p:
+            instances:
+              - {{name: a, url: "http://127.0.0.1:{mock_port}/v1", model: up,
+                  max_concurrency: 1000}}
+        models:
+          m: {{pool: p}}
+        """)
+    )
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(core: str, *cmd: str) -> subprocess.Popen[bytes]:
+        p = subprocess.Popen(
+            ["taskset", "-c", core, *cmd],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        procs.append(p)
+        return p
+
+    try:
+        spawn("1", PY, "-m", "gateway.cli", "mock", "--port", str(mock_port))
+        wait_port(mock_port)
+        bare = spawn(
+            "0",
+            PY,
+            "benches/bare_proxy.py",
+            "--port",
+            str(bare_port),
+            "--upstream",
+            f"http://127.0.0.1:{mock_port}",
+        )
+        gw_cmd = [PY, "-m", "gateway.cli", "serve", "--config", str(cfg)]
+        if not args.access_log:
+            gw_cmd.append("--no-access-log")
+        gw = spawn("0", *gw_cmd)
+        wait_port(bare_port)
+        wait_port(gw_port)
+        targets = [
+            ("direct", f"http://127.0.0.1:{mock_port}/v1/chat/completions", None),
+            ("bare-proxy", f"http://127.0.0.1:{bare_port}/v1/chat/completions", bare.pid),
+            ("gateway", f"http://127.0.0.1:{gw_port}/v1/chat/completions", gw.pid),
+        ]
+        bodies = [("json", BODY)] + ([("sse", STREAM_BODY)] if args.stream else [])
+        for _, url, pid in targets:  # warm up connections and caches
+            run_wrk(url, 8, 1.0, BODY, pid)
+        for rnd in range(1, args.rounds + 1):
+            for kind, body in bodies:
+                for conns in (64, 8, 1):
+                    results = {}
+                    for name, url, pid in targets:
+                        r = run_wrk(url, conns, args.duration, body, pid)
+                        r.name = name
+                        results[name] = r
+                    base = results["bare-proxy"]
+                    direct = results["direct"]
+                    print(f"\nround {rnd}, {kind}, {conns} connections, {args.duration:.0f} s each")
+                    print(
+                        f"{'target':12} {'req/s':>9} {'x bare':>7} {'p50 ms':>8} {'p99 ms':>8}"
+                        f" {'+p50 ms':>8} {'+p99 ms':>8} {'CPU us/req':>10} {'x bare':>7}"
+                    )
+                    for r in results.values():
+                        cpu = f"{r.cpu_us:10.1f}" if r.cpu_us is not None else f"{'-':>10}"
+                        cpu_x = (
+                            f"{r.cpu_us / base.cpu_us:7.2f}"
+                            if r.cpu_us and base.cpu_us
+                            else f"{'-':>7}"
+                        )
+                        print(
+                            f"{r.name:12} {r.rps:9.0f} {r.rps / base.rps:7.2f} {r.p50_ms:8.2f}"
+                            f" {r.p99_ms:8.2f} {r.p50_ms - direct.p50_ms:8.2f}"
+                            f" {r.p99_ms - direct.p99_ms:8.2f} {cpu} {cpu_x}",
+                            flush=True,
+                        )
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
