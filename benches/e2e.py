@@ -78,13 +78,12 @@ def parse_latency(text: str, pct: str) -> float:
 
 
 def run_wrk(url: str, conns: int, duration: float, body: str, pid: int | None) -> Result:
-    script = tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False)
     body_lua = body.replace("\\", "\\\\").replace('"', '\\"')
-    script.write(
-        f'wrk.method = "POST"\nwrk.body = "{body_lua}"\n'
-        'wrk.headers["Content-Type"] = "application/json"\n'
-    )
-    script.close()
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        script.write(
+            f'wrk.method = "POST"\nwrk.body = "{body_lua}"\n'
+            'wrk.headers["Content-Type"] = "application/json"\n'
+        )
     cpu0 = cpu_seconds(pid) if pid else 0.0
     out = subprocess.run(
         [
