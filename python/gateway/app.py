@@ -28,6 +28,7 @@ from aiohttp.web_protocol import RequestHandler
 from gateway import __version__
 from gateway._core import Outcome, Priority
 from gateway.config import Config
+from gateway.dashboard import render as render_dashboard
 from gateway.deadline import Watchdog
 from gateway.errors import NoHealthyInstance, QueueFull, retry_after_ms
 from gateway.messages import ENDPOINTS, Endpoint, parse_request
@@ -146,6 +147,7 @@ class Gateway:
             ("GET", "/readyz"): self.readyz,
             ("GET", "/v1/models"): self.models,
             ("GET", "/admin/state"): self.admin_state,
+            ("GET", "/dashboard"): self.dashboard,
         }
         for path, endpoint in ENDPOINTS.items():
             self._routes[("POST", path)] = self._proxy_handler(endpoint)
@@ -293,6 +295,16 @@ class Gateway:
     async def admin_state(self, request: web.BaseRequest) -> web.StreamResponse:
         self._authenticate_admin(request)
         return web.Response(body=orjson.dumps(self.state()), content_type=_JSON)
+
+    async def dashboard(self, request: web.BaseRequest) -> web.StreamResponse:
+        # The page itself holds no data; it asks /admin/state (with the admin key, when
+        # auth is on) from the browser.
+        return web.Response(
+            body=render_dashboard(),
+            content_type="text/html",
+            charset="utf-8",
+            headers={"Cache-Control": "no-store"},
+        )
 
     # ---- auth ----------------------------------------------------------------------------
 
