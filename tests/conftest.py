@@ -34,14 +34,18 @@ async def mocks() -> AsyncIterator[MockFactory]:
 
 
 @pytest.fixture
-async def gateway_factory() -> AsyncIterator[GatewayFactory]:
+async def gateway_factory(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[GatewayFactory]:
     """Starts the gateway in process on a free port with a config dict (YAML semantics)."""
     running: list[tuple[RunningGateway, web.ServerRunner, Prober]] = []
 
     async def start(config: dict[str, Any], *, probes: bool = False) -> RunningGateway:
         config.setdefault("health", {}).setdefault("probe", {}).setdefault("enabled", probes)
-        cfg = parse_config(yaml.safe_dump(config), env={})
-        gw = Gateway(cfg)
+        path = tmp_path_factory.mktemp("gw") / "gateway.yaml"
+        path.write_text(yaml.safe_dump(config))
+        cfg = parse_config(path.read_text(), env={})
+        gw = Gateway(cfg, config_path=str(path))
         runner = web.ServerRunner(gw.server(), handle_signals=False, shutdown_timeout=1.0)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -50,7 +54,7 @@ async def gateway_factory() -> AsyncIterator[GatewayFactory]:
         prober = Prober(gw.runtime)
         prober.start()
         session = aiohttp.ClientSession()
-        handle = RunningGateway(gw, f"http://127.0.0.1:{port}", session)
+        handle = RunningGateway(gw, f"http://127.0.0.1:{port}", session, path)
         running.append((handle, runner, prober))
         return handle
 

@@ -6,9 +6,11 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 
 from gateway.app import Gateway
 from gateway.mock import MockServer
@@ -21,6 +23,14 @@ class RunningGateway:
     gateway: Gateway
     url: str  # http://127.0.0.1:PORT
     session: aiohttp.ClientSession
+    config_path: Path
+
+    async def reload(self, config: dict[str, Any], **kw: Any) -> tuple[int, dict[str, Any]]:
+        """Rewrites the config file and asks for a reload over HTTP."""
+        config.setdefault("health", {}).setdefault("probe", {}).setdefault("enabled", False)
+        self.config_path.write_text(yaml.safe_dump(config))
+        async with self.session.post(self.url + "/admin/reload", **kw) as resp:
+            return resp.status, await resp.json()
 
     @property
     def base_url(self) -> str:

@@ -128,3 +128,58 @@ async def test_serve_then_sigterm_drains_in_flight_requests(
     log = err.decode()
     assert '"status":200' in log  # one JSON access line per request
     assert "sk-canary" not in log
+
+
+async def _models(url: str) -> list[str]:
+    async with aiohttp.ClientSession() as s, s.get(url + "/v1/models") as r:
+        return sorted(m["id"] for m in (await r.json())["data"])
+
+
+async def _eventually_models(url: str, want: list[str]) -> None:
+    for _ in range(100):
+        if await _models(url) == want:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"models never became {want}: {await _models(url)}")
+
+
+@pytest.mark.timeout(60)
+async def test_watch_and_sighup_reload_the_config(tmp_path: Path, mocks: MockFactory) -> None:
+    m = await mocks()
+    port = _free_port()
+    path = _config(tmp_path, m.url, port)
+    env = {**os.environ, "UPSTREAM_KEY": "k"}
+    proc = await asyncio.create_subprocess_exec(
+        *GATEWAY,
+        "serve",
+        "--config",
+        str(path),
+        "--watch",
+        env=env,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        await _wait_listening(port, proc)
+        url = f"http://127.0.0.1:{port}"
+        assert await _models(url) == ["judge-lite"]
+        # --watch: a changed file is picked up within about a second
+        path.write_text(path.read_text() + "  judge-2: {pool: light}\n")
+        await _eventually_models(url, ["judge-2", "judge-lite"])
+        # an invalid file is refused; the running config stays
+        good = path.read_text()
+        path.write_text(good.replace("max_concurrency: 2", "max_concurrency: -1"))
+        await asyncio.sleep(1.5)
+        assert await _models(url) == ["judge-2", "judge-lite"]
+        # SIGHUP
+        path.write_text(good + "  judge-3: {pool: light}\n")
+        proc.send_signal(signal.SIGHUP)
+        await _eventually_models(url, ["judge-2", "judge-3", "judge-lite"])
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    _, err = await proc.communicate()
+    assert "pools.light.instances[0].max_concurrency" in err.decode()

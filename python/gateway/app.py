@@ -27,11 +27,13 @@ from aiohttp.web_protocol import RequestHandler
 
 from gateway import __version__
 from gateway._core import Outcome, Priority
-from gateway.config import Config
+from gateway.config import Config, load_config
 from gateway.dashboard import render as render_dashboard
 from gateway.deadline import Watchdog
-from gateway.errors import NoHealthyInstance, QueueFull, retry_after_ms
+from gateway.errors import ConfigError, NoHealthyInstance, QueueFull, retry_after_ms
 from gateway.messages import ENDPOINTS, Endpoint, parse_request
+from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from gateway.metrics import Metrics
 from gateway.responses import HttpError, error_response, sse_error_event
 from gateway.router import Decision
 from gateway.runtime import PoolRuntime, Runtime
@@ -73,6 +75,8 @@ class Exchange:
     status: int = 0
     error: str | None = None
     usage: dict[str, Any] | None = None
+    # The current attempt's time to first byte (head, or first stream chunk), seconds.
+    ttfb: float | None = None
 
     def headers(self) -> dict[str, str]:
         h = {"X-Request-Id": self.request_id}
@@ -148,10 +152,13 @@ class Gateway:
             ("GET", "/v1/models"): self.models,
             ("GET", "/admin/state"): self.admin_state,
             ("GET", "/dashboard"): self.dashboard,
+            ("POST", "/admin/reload"): self.admin_reload,
         }
         for path, endpoint in ENDPOINTS.items():
             self._routes[("POST", path)] = self._proxy_handler(endpoint)
         self._keys = self._load_keys(config)
+        self.metrics = Metrics(lambda: self.runtime)
+        self._routes[("GET", "/metrics")] = self.metrics_endpoint
 
     # ---- server plumbing -----------------------------------------------------------------
 
@@ -262,6 +269,8 @@ class Gateway:
             instances = []
             for i, up in enumerate(pool.upstreams):
                 info = core.instance(i, now)
+                if info.removed and info.in_flight == 0:
+                    continue  # removed by a reload and drained: gone
                 until = info.ejected_until_ms
                 instances.append(
                     {
@@ -295,6 +304,40 @@ class Gateway:
     async def admin_state(self, request: web.BaseRequest) -> web.StreamResponse:
         self._authenticate_admin(request)
         return web.Response(body=orjson.dumps(self.state()), content_type=_JSON)
+
+    async def reload(self) -> tuple[bool, str, list[str]]:
+        """Re-reads the config file; applies it only if it is entirely valid (SPEC §8).
+        Returns (applied, message, notes); on failure the running config stays."""
+        if self.config_path is None:
+            return False, "the gateway was not started from a config file", []
+        try:
+            config = await asyncio.to_thread(load_config, self.config_path)
+        except ConfigError as exc:
+            self.metrics.reloaded(False)
+            log.error("config reload failed", extra={"fields": {"reason": str(exc)}})
+            return False, str(exc), []
+        notes = self.runtime.reload(config)
+        self._keys = self._load_keys(config)
+        self.metrics.reloaded(True)
+        await self.runtime.collect()
+        log.info(
+            "config reloaded",
+            extra={"fields": {"pools": ",".join(config.pools), "notes": "; ".join(notes) or None}},
+        )
+        return True, "reloaded", notes
+
+    async def admin_reload(self, request: web.BaseRequest) -> web.StreamResponse:
+        self._authenticate_admin(request)
+        ok, message, notes = await self.reload()
+        if not ok:
+            raise HttpError(400, "invalid_config", f"Config not reloaded: {message}")
+        body = orjson.dumps({"status": "reloaded", "notes": notes})
+        return web.Response(body=body, content_type=_JSON)
+
+    async def metrics_endpoint(self, request: web.BaseRequest) -> web.StreamResponse:
+        resp = web.Response(body=self.metrics.render())
+        resp.headers["Content-Type"] = METRICS_CONTENT_TYPE
+        return resp
 
     async def dashboard(self, request: web.BaseRequest) -> web.StreamResponse:
         # The page itself holds no data; it asks /admin/state (with the admin key, when
@@ -380,10 +423,12 @@ class Gateway:
             resp = await self._dispatch(request, ex, endpoint, data, ticket, tenant)
         except HttpError as err:
             ex.status, ex.error = err.status, err.code
+            self.metrics.rejected(err.code)
             resp = error_response(err, ex.headers())
         except asyncio.CancelledError:
             if not self._hard_stopped:
                 ex.status, ex.error = 499, "client_closed"
+                self._observe(ex)
                 self._log(ex)
                 raise
             # Cancelled by the drain deadline, not by the client: answer it.
@@ -401,6 +446,7 @@ class Gateway:
             if not self._active and self._idle is not None:
                 self._idle.set()
         ex.status = ex.status or resp.status
+        self._observe(ex)
         self._log(ex)
         return resp
 
@@ -465,7 +511,10 @@ class Gateway:
         unavailable_ms = 1000
         while pool_name is not None and pool_name not in visited:
             visited.add(pool_name)
-            pool = runtime.pools[pool_name]
+            found = runtime.pools.get(pool_name)
+            if found is None:  # removed by a reload while this request was on its way
+                break
+            pool = found
             ex.pool = pool_name
             excluded = 0
             for _ in range(max_attempts):
@@ -501,7 +550,11 @@ class Gateway:
                     unavailable_ms = retry_after_ms(exc)
                     break
                 finally:
-                    ex.queue_ms += (time.monotonic() - t_queue) * 1000
+                    waited = time.monotonic() - t_queue
+                    ex.queue_ms += waited * 1000
+                self.metrics.waited(pool_name, (ex.waited_as or priority).label, waited)
+                if ex.attempts:
+                    self.metrics.retry(pool_name)
                 ex.attempts += 1
                 upstream = pool.upstreams[idx]
                 ex.instance = upstream.name
@@ -546,6 +599,8 @@ class Gateway:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         deadline = t0 + timeouts.total_ms / 1000
+        ex.ttfb = None
+        ex.usage = None
         try:
             # SPEC §6 timeouts: first byte, then the attempt's total.
             watchdog.arm(min(t0 + timeouts.first_byte_ms / 1000, deadline))
@@ -559,6 +614,7 @@ class Gateway:
                 raise
             watchdog.arm(deadline)
             status = resp_up.status
+            ex.ttfb = loop.time() - t0
             if status >= 500 or status in (408, 429) or 300 <= status < 400:
                 # SPEC §6: 5xx/429 (and 408) are the instance's failures; a redirect is not
                 # followed and means a misconfigured instance.
@@ -582,7 +638,7 @@ class Gateway:
                 )
             if data.get("stream") and resp_up.content_type == "text/event-stream":
                 result, outcome = await self._relay_stream(
-                    request, ex, resp_up, upstream, watchdog, deadline
+                    request, ex, resp_up, upstream, watchdog, t0, deadline
                 )
                 return result
             raw = await _read_all(resp_up, watchdog)
@@ -602,7 +658,11 @@ class Gateway:
             return err
         finally:
             watchdog.disarm()
-            ex.upstream_ms += (loop.time() - t0) * 1000
+            elapsed = loop.time() - t0
+            ex.upstream_ms += elapsed * 1000
+            self.metrics.attempt(pool.name, upstream.name, ex.ttfb, elapsed)
+            if ex.usage is not None and outcome is Outcome.SUCCESS:
+                self.metrics.used_tokens(pool.name, upstream.name, ex.usage)
             if resp_up is not None:
                 # An unfinished body means the upstream is still working: closing the
                 # connection cancels it there (client gone, stream failed).
@@ -616,6 +676,7 @@ class Gateway:
         resp_up: aiohttp.ClientResponse,
         upstream: Upstream,
         watchdog: Watchdog,
+        started: float,
         deadline: float,
     ) -> tuple[web.StreamResponse | AttemptError, Outcome]:
         """SSE passed through chunk by chunk. Until the first byte is written the attempt may
@@ -626,6 +687,8 @@ class Gateway:
             first = await _read_chunk(content, watchdog, idle, deadline)
         except AttemptError as err:
             return err, Outcome.FAILURE
+        # For a stream, the first byte a user feels is the first chunk, not the head.
+        ex.ttfb = asyncio.get_running_loop().time() - started
         if not first:
             return AttemptError(
                 f"{upstream.name} closed the stream before any data"
@@ -688,6 +751,11 @@ class Gateway:
             ex.error = "upstream_error"
             return resp, Outcome.FAILURE
         return resp, Outcome.SUCCESS
+
+    def _observe(self, ex: Exchange) -> None:
+        d = ex.decision
+        priority = (ex.waited_as or d.priority).label if d is not None else None
+        self.metrics.request_done(ex.pool or (d.pool if d else None), priority, ex.status)
 
     def _log(self, ex: Exchange) -> None:
         if not access_log.isEnabledFor(logging.INFO):

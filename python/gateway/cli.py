@@ -6,8 +6,11 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -15,6 +18,9 @@ from gateway import __version__
 from gateway.config import describe, load_config
 from gateway.errors import ConfigError
 from gateway.logs import setup_logging
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
 
 __all__ = ["main"]
 
@@ -53,7 +59,21 @@ async def serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    background: set[asyncio.Task[object]] = set()
+
+    def reload_soon() -> None:
+        task = loop.create_task(gateway.reload())
+        background.add(task)
+        task.add_done_callback(background.discard)
+
+    # SPEC §8: hot reload on SIGHUP, POST /admin/reload, or a changed file with --watch.
+    loop.add_signal_handler(signal.SIGHUP, reload_soon)
+    watcher = loop.create_task(_watch(args.config, reload_soon)) if args.watch else None
+    janitor = loop.create_task(_janitor(gateway))
     await stop.wait()
+    for task in (watcher, janitor):
+        if task is not None:
+            task.cancel()
     log.info("draining", extra={"fields": {"deadline_ms": config.shutdown.drain_timeout_ms}})
     await gateway.drain(site)
     await prober.stop()
@@ -61,6 +81,32 @@ async def serve(args: argparse.Namespace) -> int:
     await gateway.close()
     log.info("stopped")
     return 0
+
+
+async def _watch(path: str, reload: Callable[[], None], interval: float = 1.0) -> None:
+    """Polls the config file's identity (mtime, size, inode); a change triggers a reload."""
+
+    def stamp() -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    last = stamp()
+    while True:
+        await asyncio.sleep(interval)
+        now = stamp()
+        if now is not None and now != last:
+            last = now
+            reload()
+
+
+async def _janitor(gateway: Gateway, interval: float = 5.0) -> None:
+    """Closes the connection pools of instances and pools that drained after a reload."""
+    while True:
+        await asyncio.sleep(interval)
+        await gateway.runtime.collect()
 
 
 def check(args: argparse.Namespace) -> int:

@@ -62,34 +62,123 @@ class PoolRuntime:
 
 
 class Runtime:
-    """Pools, upstreams and routing of one loaded config."""
+    """Pools, upstreams and routing of the running config; `reload` swaps in a new one."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
         self.router = Router(config)
         self.pools: dict[str, PoolRuntime] = {}
+        # Pools removed by a reload, kept until their last attempt finished.
+        self.retired: list[PoolRuntime] = []
+        self._draining: list[Upstream] = []
         self._tickets = itertools.count(1)
         for name, spec in config.pools.items():
-            core = _core.Pool(core_config(config, spec), seed=config.seed)
-            pool = PoolRuntime(name, spec, PoolScheduler(name, core))
-            for inst in spec.instances:
-                core.add_instance(inst.max_concurrency)
-                pool.upstreams.append(Upstream(inst, config.timeouts))
-            self.pools[name] = pool
+            self.pools[name] = self._new_pool(name, spec)
+
+    def _new_pool(self, name: str, spec: PoolSpec) -> PoolRuntime:
+        core = _core.Pool(core_config(self.config, spec), seed=self.config.seed)
+        pool = PoolRuntime(name, spec, PoolScheduler(name, core))
+        for inst in spec.instances:
+            core.add_instance(inst.max_concurrency)
+            pool.upstreams.append(Upstream(inst, self.config.timeouts))
+        return pool
 
     def next_ticket(self) -> int:
         """Tickets are allocated in arrival order; a retry keeps its ticket, hence its place."""
         return next(self._tickets)
 
+    def reload(self, config: Config) -> list[str]:
+        """Applies a new, already validated config without dropping anything (SPEC §8 "Hot
+        reload"): capacities, weights, thresholds, balancer and timeouts apply to the next
+        decision; new instances join; removed instances take nothing new and drain; queued
+        requests stay, and those of a removed pool go to its fallback or get 503.
+        Returns notes on what could not be applied live."""
+        notes = []
+        if config.listen != self.config.listen:
+            notes.append("listen address changes need a restart")
+        if config.limits != self.config.limits:
+            notes.append("limits apply to new connections only")
+        self.config = config
+        pools: dict[str, PoolRuntime] = {}
+        for name, spec in config.pools.items():
+            pool = self.pools.get(name)
+            if pool is None:
+                pools[name] = self._new_pool(name, spec)
+                continue
+            pool.scheduler.core.configure(core_config(config, spec))
+            pool.spec = spec
+            self._reconcile_instances(pool, config)
+            pools[name] = pool
+        for name, pool in self.pools.items():
+            if name not in pools:
+                core = pool.scheduler.core
+                for idx in range(core.instance_count):
+                    core.remove_instance(idx)
+                # Its waiters find no instance: they move to the fallback or answer 503.
+                pool.scheduler.tick()
+                self.retired.append(pool)
+        self.pools = pools
+        self.router = Router(config)
+        for pool in pools.values():
+            pool.scheduler.tick()  # new capacity serves the queue at once
+        return notes
+
+    def _reconcile_instances(self, pool: PoolRuntime, config: Config) -> None:
+        core = pool.scheduler.core
+        wanted = {inst.name: inst for inst in pool.spec.instances}
+        kept: set[str] = set()
+        for idx, up in pool.live_upstreams():
+            spec = wanted.get(up.name)
+            if spec is None or spec.url.rstrip("/") != up.base_url:
+                core.remove_instance(idx)  # drains: in-flight attempts finish
+                continue
+            core.set_max_concurrency(idx, spec.max_concurrency)
+            up.update(spec, config.timeouts)
+            kept.add(up.name)
+        for name, spec in wanted.items():
+            if name in kept:
+                continue
+            idx = core.add_instance(spec.max_concurrency)
+            fresh = Upstream(spec, config.timeouts)
+            if idx < len(pool.upstreams):
+                # A drained, removed slot is reused; its old pool is closed by `collect`.
+                self._draining.append(pool.upstreams[idx])
+                pool.upstreams[idx] = fresh
+            else:
+                pool.upstreams.append(fresh)
+
+    async def collect(self) -> None:
+        """Closes the connection pools of removed instances once they drained."""
+        for up in self._draining:
+            await up.close()
+        self._draining.clear()
+        for pool in self.pools.values():
+            core = pool.scheduler.core
+            for idx, up in enumerate(pool.upstreams):
+                info = core.instance(idx, 0)
+                if info.removed and info.in_flight == 0 and not up.closed:
+                    await up.close()
+        still = []
+        for pool in self.retired:
+            if pool.scheduler.core.in_flight == 0 and pool.scheduler.core.waiting == 0:
+                pool.scheduler.close()
+                for up in pool.upstreams:
+                    await up.close()
+            else:
+                still.append(pool)
+        self.retired = still
+
     def quiet(self) -> bool:
         """Nothing waiting and nothing in flight anywhere."""
         return all(
             p.scheduler.core.waiting == 0 and p.scheduler.core.in_flight == 0
-            for p in self.pools.values()
+            for p in [*self.pools.values(), *self.retired]
         )
 
     async def close(self) -> None:
-        for pool in self.pools.values():
+        for pool in [*self.pools.values(), *self.retired]:
             pool.scheduler.close()
             for up in pool.upstreams:
                 await up.close()
+        for up in self._draining:
+            await up.close()

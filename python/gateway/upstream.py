@@ -104,10 +104,20 @@ class Upstream:
     """One instance: its connection pool, prebuilt headers and the scrubber for its key."""
 
     def __init__(self, spec: InstanceSpec, timeouts: Timeouts) -> None:
+        self.base_url = spec.url.rstrip("/")
+        root = urlsplit(self.base_url)
+        # Probe paths are written from the server root (`/v1/models`), not the base URL.
+        self._root = f"{root.scheme}://{root.netloc}"
+        self._session: aiohttp.ClientSession | None = None
+        self.update(spec, timeouts)
+
+    def update(self, spec: InstanceSpec, timeouts: Timeouts) -> None:
+        """Applies a reloaded spec of the same endpoint (model, key, headers, timeouts); the
+        keep-alive pool stays."""
+        assert spec.url.rstrip("/") == self.base_url, "a new URL is a new instance"
         self.spec = spec
         self.name = spec.name
         self.model = spec.model
-        self.base_url = spec.url.rstrip("/")
         headers = {
             "Content-Type": "application/json",
             # Relay bytes as the upstream sent them, never decompress and re-encode.
@@ -118,11 +128,8 @@ class Upstream:
             headers["Authorization"] = f"Bearer {spec.api_key}"
         self._headers = headers
         self._secret = spec.api_key.encode() if spec.api_key else b""
-        root = urlsplit(self.base_url)
-        # Probe paths are written from the server root (`/v1/models`), not the base URL.
-        self._root = f"{root.scheme}://{root.netloc}"
-        self.timeouts = timeouts
-        self._session: aiohttp.ClientSession | None = None
+        # Per request, so a reloaded connect timeout applies without a new pool.
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_ms / 1000)
 
     def session(self) -> aiohttp.ClientSession:
         """The keep-alive pool, created lazily inside the running loop."""
@@ -135,11 +142,7 @@ class Upstream:
             )
             self._session = aiohttp.ClientSession(
                 connector=connector,
-                timeout=aiohttp.ClientTimeout(
-                    total=None, sock_connect=self.timeouts.connect_ms / 1000
-                ),
                 auto_decompress=False,
-                skip_auto_headers=("User-Agent",),
                 cookie_jar=aiohttp.DummyCookieJar(),
             )
         return self._session
@@ -159,7 +162,11 @@ class Upstream:
         on connect errors and resets (the caller bounds the time)."""
         try:
             return await self.session().post(
-                self.url(path), data=body, headers=self._headers, allow_redirects=False
+                self.url(path),
+                data=body,
+                headers=self._headers,
+                allow_redirects=False,
+                timeout=self._timeout,
             )
         except aiohttp.ClientConnectorError as exc:
             raise AttemptError(f"cannot connect to upstream ({exc.os_error.strerror})") from exc
@@ -180,11 +187,16 @@ class Upstream:
                     self._root + path,
                     headers=self._headers,
                     allow_redirects=False,
+                    timeout=self._timeout,
                 ) as resp:
                     await resp.read()
                     return 200 <= resp.status < 300
         except (TimeoutError, aiohttp.ClientError, OSError):
             return False
+
+    @property
+    def closed(self) -> bool:
+        return self._session is None or self._session.closed
 
     async def close(self) -> None:
         if self._session is not None and not self._session.closed:

@@ -252,24 +252,34 @@ impl Pool {
         &self.cfg
     }
 
-    /// Adds an instance; returns its index (indices are never reused).
+    /// Adds an instance; returns its index. The slot of a removed instance that has drained
+    /// is reused (nothing can refer to it any more), so reloads never exhaust the pool.
     pub fn add_instance(&mut self, max_concurrency: u32) -> Result<usize, CoreError> {
-        if self.instances.len() >= MAX_INSTANCES {
-            return Err(CoreError::InvalidConfig(format!(
-                "a pool holds at most {MAX_INSTANCES} instances"
-            )));
-        }
         if max_concurrency == 0 {
             return Err(CoreError::InvalidConfig(
                 "max_concurrency must be at least 1".into(),
             ));
         }
-        self.instances.push(Instance {
+        let fresh = Instance {
             max_concurrency,
             in_flight: 0,
             breaker: Breaker::new(),
             removed: false,
-        });
+        };
+        if let Some(idx) = self
+            .instances
+            .iter()
+            .position(|i| i.removed && i.in_flight == 0)
+        {
+            self.instances[idx] = fresh;
+            return Ok(idx);
+        }
+        if self.instances.len() >= MAX_INSTANCES {
+            return Err(CoreError::InvalidConfig(format!(
+                "a pool holds at most {MAX_INSTANCES} instances"
+            )));
+        }
+        self.instances.push(fresh);
         Ok(self.instances.len() - 1)
     }
 

@@ -1,0 +1,133 @@
+"""Hot reload (SPEC §8): new settings apply to the next decision, nothing in flight or queued
+is dropped, an invalid file changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+from support import GatewayFactory, MockFactory, RunningGateway, chat, pool_config, simple_config
+
+
+async def _send(gw: RunningGateway, **kw: Any) -> tuple[int, str]:
+    async with await gw.post("/v1/chat/completions", chat(), **kw) as resp:
+        await resp.read()
+        return resp.status, resp.headers.get("X-Gateway-Instance", "")
+
+
+async def _metric(gw: RunningGateway, name: str) -> str:
+    async with gw.session.get(gw.url + "/metrics") as resp:
+        text = await resp.text()
+    return "\n".join(line for line in text.splitlines() if line.startswith(name))
+
+
+async def test_valid_reload_under_load_adds_an_instance_and_capacity(
+    mocks: MockFactory, gateway_factory: GatewayFactory
+) -> None:
+    a, b = await mocks(latency_ms=150), await mocks(latency_ms=150)
+    config = simple_config(pool_config((a, 1)))
+    gw = await gateway_factory(config)
+    load = [asyncio.create_task(_send(gw)) for _ in range(12)]
+    await asyncio.sleep(0.1)
+    assert (await gw.state())["pools"]["p"]["queued"]["high"] > 0
+    new = copy.deepcopy(config)
+    new["pools"]["p"] = pool_config((a, 2), (b, 2))
+    status, body = await gw.reload(new)
+    assert status == 200 and body["status"] == "reloaded"
+    state = (await gw.state())["pools"]["p"]
+    assert [i["max_concurrency"] for i in state["instances"]] == [2, 2]
+    results = await asyncio.gather(*load)
+    assert [s for s, _ in results] == [200] * 12  # nothing queued was lost
+    assert b.stats.requests_total > 0  # the new instance serves the old queue
+    assert a.stats.peak_in_flight <= 2 and b.stats.peak_in_flight <= 2
+    assert "1.0" in await _metric(gw, "gateway_config_last_reload_success ")
+    await gw.assert_quiet()
+
+
+async def test_invalid_reload_keeps_the_running_config(
+    mocks: MockFactory, gateway_factory: GatewayFactory
+) -> None:
+    a = await mocks(latency_ms=100)
+    config = simple_config(pool_config((a, 1)))
+    gw = await gateway_factory(config)
+    load = [asyncio.create_task(_send(gw)) for _ in range(4)]
+    await asyncio.sleep(0.05)
+    broken = copy.deepcopy(config)
+    broken["pools"]["p"]["instances"][0]["max_concurrency"] = 0
+    status, body = await gw.reload(broken)
+    assert status == 400
+    assert body["error"]["code"] == "invalid_config"
+    assert "pools.p.instances[0].max_concurrency" in body["error"]["message"]
+    assert [s for s, _ in await asyncio.gather(*load)] == [200] * 4
+    assert (await gw.state())["pools"]["p"]["instances"][0]["max_concurrency"] == 1
+    assert (await _send(gw))[0] == 200
+    assert "0.0" in await _metric(gw, "gateway_config_last_reload_success ")
+    assert 'result="failure"} 1.0' in await _metric(gw, "gateway_config_reloads_total")
+    await gw.assert_quiet()
+
+
+async def test_removed_instance_drains_and_takes_nothing_new(
+    mocks: MockFactory, gateway_factory: GatewayFactory
+) -> None:
+    a, b = await mocks(latency_ms=400), await mocks()
+    config = simple_config(pool_config((a, 2), (b, 2)), balancer="round_robin")
+    gw = await gateway_factory(config)
+    slow = [asyncio.create_task(_send(gw)) for _ in range(2)]
+    await asyncio.sleep(0.1)
+    assert a.stats.in_flight == 1
+    new = copy.deepcopy(config)
+    new["pools"]["p"] = pool_config((b, 2))
+    new["pools"]["p"]["instances"][0]["name"] = config["pools"]["p"]["instances"][1]["name"]
+    status, _ = await gw.reload(new)
+    assert status == 200
+    names = [i["name"] for i in (await gw.state())["pools"]["p"]["instances"]]
+    assert len(names) == 2  # the removed one is listed while it drains
+    after = [await _send(gw) for _ in range(5)]
+    assert all(inst == new["pools"]["p"]["instances"][0]["name"] for _, inst in after)
+    assert [s for s, _ in await asyncio.gather(*slow)] == [200, 200]
+    assert a.stats.requests_total == 1
+    state = (await gw.state())["pools"]["p"]
+    assert [i["name"] for i in state["instances"]] == [new["pools"]["p"]["instances"][0]["name"]]
+    await gw.assert_quiet()
+
+
+async def test_removed_pool_sends_its_queue_to_the_fallback(
+    mocks: MockFactory, gateway_factory: GatewayFactory
+) -> None:
+    a, spare = await mocks(latency_ms=300), await mocks()
+    config: dict[str, Any] = {
+        "pools": {"p": pool_config((a, 1), fallback="spare"), "spare": pool_config(spare)},
+        "models": {"m": {"pool": "p"}},
+    }
+    gw = await gateway_factory(config)
+    load = [asyncio.create_task(_send(gw)) for _ in range(4)]
+    await asyncio.sleep(0.1)
+    new = {"pools": {"spare": pool_config(spare)}, "models": {"m": {"pool": "spare"}}}
+    status, _ = await gw.reload(new)
+    assert status == 200
+    results = await asyncio.gather(*load)
+    assert [s for s, _ in results] == [200] * 4  # 1 finished in flight, 3 re-homed
+    assert spare.stats.requests_total == 3
+    await gw.assert_quiet()
+
+
+async def test_admin_endpoints_need_the_admin_key(
+    mocks: MockFactory, gateway_factory: GatewayFactory
+) -> None:
+    a = await mocks()
+    config = simple_config(
+        pool_config(a), auth={"keys": [{"key": "client-k", "name": "c"}], "admin_key": "admin-k"}
+    )
+    gw = await gateway_factory(config)
+    for key in (None, "client-k", "wrong"):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with gw.session.get(gw.url + "/admin/state", headers=headers) as resp:
+            assert resp.status == 401
+        status, _ = await gw.reload(copy.deepcopy(config), headers=headers)
+        assert status == 401
+    admin = {"Authorization": "Bearer admin-k"}
+    async with gw.session.get(gw.url + "/admin/state", headers=admin) as resp:
+        assert resp.status == 200
+    status, _ = await gw.reload(copy.deepcopy(config), headers=admin)
+    assert status == 200
