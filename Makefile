@@ -43,7 +43,7 @@ lint: $(STAMP) ## rustfmt --check, clippy -D warnings, ruff check, ruff format -
 
 typecheck: build-dev ## mypy --strict and stubtest of the extension's stub
 	$(VENV)/bin/mypy --strict python/gateway
-	$(VENV)/bin/python -m mypy.stubtest gateway._core --ignore-missing-stub
+	$(VENV)/bin/python -m mypy.stubtest gateway._core
 
 test-rust: ## cargo test of the pure core (never links libpython)
 	cargo test --workspace --exclude gateway-py

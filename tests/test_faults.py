@@ -345,3 +345,29 @@ async def test_a_thousand_mixed_faults_leave_every_counter_at_zero(
     assert sum(outcomes.values()) == 1000
     assert outcomes.get(200, 0) > 700, outcomes
     await gw.assert_quiet(within=10)
+
+
+async def test_lifecycle_events_are_logged(
+    mocks: MockFactory, gateway_factory: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = await mocks(), await mocks()
+    gw = await gateway_factory(
+        two_pool_config(pool_config(a, b), health={"ejection_ms": 200, "success_threshold": 1})
+    )
+    name = f"m{a.port}-0"
+    with caplog.at_level("INFO", logger="gateway.health"):
+        await a.set_down(True)
+        for _ in range(6):
+            assert (await _post(gw))[0] == 200
+        await a.set_down(False)
+        await asyncio.sleep(0.25)
+        for _ in range(6):
+            assert (await _post(gw))[0] == 200
+    events = [
+        (r.getMessage(), r.fields["instance"])  # type: ignore[attr-defined]
+        for r in caplog.records
+        if r.name == "gateway.health" and hasattr(r, "fields")
+    ]
+    mine = [msg for msg, inst in events if inst == name]
+    assert mine[:3] == ["instance ejected", "instance half_open", "instance restored"], events
+    await gw.assert_quiet()

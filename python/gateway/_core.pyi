@@ -2,6 +2,28 @@
 
 from typing import final
 
+__all__ = [
+    "Priority",
+    "Policy",
+    "Balancer",
+    "InstanceState",
+    "Outcome",
+    "PoolConfig",
+    "Pool",
+    "InstanceInfo",
+    "PoolStats",
+    "GatewayError",
+    "QueueFull",
+    "NoHealthyInstance",
+    "UnknownTicket",
+    "InvalidPoolConfig",
+    "QUEUED",
+    "SPILLED",
+    "EXPIRED",
+    "UNSERVABLE",
+    "MAX_INSTANCES",
+]
+
 QUEUED: int
 SPILLED: int
 EXPIRED: int
@@ -182,4 +204,7 @@ class Pool:
     def consecutive_high(self) -> int: ...
     def drain_rate(self, now_ms: int) -> float: ...
     def instance(self, index: int, now_ms: int) -> InstanceInfo: ...
+    def take_transitions(self) -> list[tuple[int, InstanceState]]: ...
+    @property
+    def has_transitions(self) -> bool: ...
     def stats(self) -> PoolStats: ...

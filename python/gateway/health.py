@@ -41,16 +41,10 @@ class Prober:
                 jobs.append((pool, idx, up.name, up.probe(probe.path, probe.timeout_ms / 1000)))
         results = await asyncio.gather(*(job[3] for job in jobs))
         for (pool, idx, name, _), ok in zip(jobs, results, strict=True):
-            before = pool.scheduler.core.instance(idx, 0).state
+            # State changes this causes are logged by the scheduler's transition hook.
             pool.scheduler.record_probe(idx, ok)
             if not ok:
                 log.info("probe failed", extra={"fields": {"pool": pool.name, "instance": name}})
-            after = pool.scheduler.core.instance(idx, 0).state
-            if after != before:
-                log.info(
-                    "instance state changed by probe",
-                    extra={"fields": {"pool": pool.name, "instance": name, "state": after.label}},
-                )
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 
 from gateway import _core
@@ -12,6 +13,8 @@ from gateway.scheduler import PoolScheduler
 from gateway.upstream import Upstream
 
 __all__ = ["PoolRuntime", "Runtime", "core_config"]
+
+log = logging.getLogger("gateway.health")
 
 _POLICIES = {"weighted": _core.Policy.WEIGHTED, "strict": _core.Policy.STRICT}
 _BALANCERS = {
@@ -78,6 +81,25 @@ class Runtime:
     def _new_pool(self, name: str, spec: PoolSpec) -> PoolRuntime:
         core = _core.Pool(core_config(self.config, spec), seed=self.config.seed)
         pool = PoolRuntime(name, spec, PoolScheduler(name, core))
+
+        def on_transition(index: int, state: _core.InstanceState) -> None:
+            # SPEC §9 lifecycle events: ejected, half-open, restored.
+            event = {"healthy": "restored"}.get(state.label, state.label)
+            info = core.instance(index, 0)
+            log.log(
+                logging.WARNING if event == "ejected" else logging.INFO,
+                f"instance {event}",
+                extra={
+                    "fields": {
+                        "pool": name,
+                        "instance": pool.upstreams[index].name,
+                        "state": state.label,
+                        "ejections": info.ejections,
+                    }
+                },
+            )
+
+        pool.scheduler.on_transition = on_transition
         for inst in spec.instances:
             core.add_instance(inst.max_concurrency)
             pool.upstreams.append(Upstream(inst, self.config.timeouts))

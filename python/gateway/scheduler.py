@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from gateway import _core
-from gateway._core import Outcome, Priority
+from gateway._core import InstanceState, Outcome, Priority
 from gateway.errors import GatewayError, NoHealthyInstance
 
 __all__ = ["Draining", "PoolScheduler", "QueueTimeout", "Unservable", "now_ms"]
@@ -48,9 +48,16 @@ class Unservable(NoHealthyInstance):
 class PoolScheduler:
     """One pool's core plus the futures of its waiting requests."""
 
-    def __init__(self, name: str, core: _core.Pool) -> None:
+    def __init__(
+        self,
+        name: str,
+        core: _core.Pool,
+        on_transition: Callable[[int, InstanceState], None] | None = None,
+    ) -> None:
         self.name = name
         self.core = core
+        # Told of every instance state change (ejected, half-open, restored), for the logs.
+        self.on_transition = on_transition
         self._waiters: dict[int, tuple[asyncio.Future[int], Priority]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: int | None = None
@@ -67,6 +74,8 @@ class PoolScheduler:
         """
         core = self.core
         code = core.submit(ticket, priority, now_ms(), tenant, excluded)
+        if core.has_transitions:
+            self._transitions()
         if code >= 0:
             return code, priority
         waited_as = Priority.LOW if code == _core.SPILLED else priority
@@ -99,8 +108,15 @@ class PoolScheduler:
         """Expires overdue waiters and fills capacity that came back with time."""
         self.deliver(self.core.tick(now_ms()))
 
+    def _transitions(self) -> None:
+        for index, state in self.core.take_transitions():
+            if self.on_transition is not None:
+                self.on_transition(index, state)
+
     def deliver(self, events: Iterable[tuple[int, int]]) -> None:
-        """Resolves the futures of the tickets the core moved."""
+        """Resolves the futures of the tickets the core moved (and reports state changes)."""
+        if self.core.has_transitions:
+            self._transitions()
         delivered = False
         for ticket, code in events:
             delivered = True

@@ -209,6 +209,8 @@ pub struct Pool {
     instances: Vec<Instance>,
     tickets: TicketMap,
     events: Vec<Event>,
+    /// Instance state changes since the caller last asked, for lifecycle logs.
+    transitions: Vec<(usize, InstanceState)>,
     drain: DrainMeter,
     stats: PoolStats,
 }
@@ -226,6 +228,7 @@ impl Pool {
             instances: Vec::new(),
             tickets: TicketMap::default(),
             events: Vec::new(),
+            transitions: Vec::new(),
             drain: DrainMeter::default(),
             stats: PoolStats::default(),
             cfg,
@@ -424,8 +427,13 @@ impl Pool {
             "release of an instance with nothing in flight"
         );
         inst.in_flight -= 1;
+        let before = inst.breaker.state();
         inst.breaker
             .on_outcome(&self.cfg.health, outcome, epoch, trial, now);
+        let after = inst.breaker.state();
+        if after != before {
+            self.transitions.push((instance as usize, after));
+        }
         if retry_after_ms > 0 {
             inst.breaker.cool(now.saturating_add(retry_after_ms));
         }
@@ -441,7 +449,13 @@ impl Pool {
         now: Millis,
     ) -> Result<Vec<Event>, CoreError> {
         let cfg = self.cfg.health.clone();
-        self.instance_mut(idx)?.breaker.on_probe(&cfg, ok, now);
+        let breaker = &mut self.instance_mut(idx)?.breaker;
+        let before = breaker.state();
+        breaker.on_probe(&cfg, ok, now);
+        if breaker.state() != before {
+            let after = breaker.state();
+            self.transitions.push((idx, after));
+        }
         self.pump(now);
         Ok(self.take_events())
     }
@@ -608,9 +622,22 @@ impl Pool {
 
     fn advance(&mut self, now: Millis) {
         let cfg = &self.cfg.health;
-        for inst in &mut self.instances {
+        for (idx, inst) in self.instances.iter_mut().enumerate() {
+            let before = inst.breaker.state();
             inst.breaker.advance(cfg, now);
+            if inst.breaker.state() != before {
+                self.transitions.push((idx, inst.breaker.state()));
+            }
         }
+    }
+
+    /// Instance state changes (index, new state) since the last call, oldest first.
+    pub fn take_transitions(&mut self) -> Vec<(usize, InstanceState)> {
+        std::mem::take(&mut self.transitions)
+    }
+
+    pub fn has_transitions(&self) -> bool {
+        !self.transitions.is_empty()
     }
 
     /// Bit set of instances that are up (not removed, not ejected, not cooling).
@@ -677,10 +704,11 @@ impl Pool {
 
     /// The instance's state after applying the passage of time.
     pub fn instance_state(&mut self, idx: usize, now: Millis) -> Result<InstanceState, CoreError> {
-        let cfg = self.cfg.health.clone();
-        let inst = self.instance_mut(idx)?;
-        inst.breaker.advance(&cfg, now);
-        Ok(inst.breaker.state())
+        if idx >= self.instances.len() {
+            return Err(CoreError::UnknownInstance(idx));
+        }
+        self.advance(now);
+        Ok(self.instances[idx].breaker.state())
     }
 
     pub fn stats(&self) -> PoolStats {
@@ -732,4 +760,64 @@ fn pick(
         },
         |k| instances[k].load(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(instances: &[u32], health: HealthConfig) -> Pool {
+        let mut p = Pool::new(
+            PoolConfig {
+                health,
+                ..PoolConfig::default()
+            },
+            1,
+        )
+        .unwrap();
+        for &m in instances {
+            p.add_instance(m).unwrap();
+        }
+        p
+    }
+
+    #[test]
+    fn transitions_are_reported_once_in_order() {
+        let health = HealthConfig {
+            failure_threshold: 1,
+            ejection_ms: 100,
+            success_threshold: 1,
+            probing: false,
+            ..HealthConfig::default()
+        };
+        let mut p = pool(&[1], health);
+        assert_eq!(p.submit(1, Priority::High, 0, 0, 0), Ok(Admit::Granted(0)));
+        p.release(1, Outcome::Failure, 0, 0).unwrap();
+        assert_eq!(p.take_transitions(), vec![(0, InstanceState::Ejected)]);
+        assert!(!p.has_transitions());
+        // time passes: the next decision sees it half-open, a success restores it
+        assert_eq!(
+            p.submit(2, Priority::High, 0, 0, 100),
+            Ok(Admit::Granted(0))
+        );
+        p.release(2, Outcome::Success, 0, 101).unwrap();
+        assert_eq!(
+            p.take_transitions(),
+            vec![(0, InstanceState::HalfOpen), (0, InstanceState::Healthy)]
+        );
+    }
+
+    #[test]
+    fn a_drained_removed_slot_is_reused() {
+        let mut p = pool(&[1, 1], HealthConfig::default());
+        assert_eq!(p.submit(1, Priority::High, 0, 0, 0), Ok(Admit::Granted(0)));
+        p.remove_instance(0).unwrap();
+        p.remove_instance(1).unwrap();
+        // instance 1 is drained, instance 0 still has an attempt in flight
+        assert_eq!(p.add_instance(4).unwrap(), 1);
+        assert_eq!(p.add_instance(4).unwrap(), 2);
+        p.release(1, Outcome::Success, 0, 1).unwrap();
+        assert_eq!(p.add_instance(4).unwrap(), 0);
+        assert_eq!(p.instances().len(), 3);
+    }
 }

@@ -317,6 +317,20 @@ impl Pool {
         })
     }
 
+    /// Instance state changes since the last call: (index, new state), oldest first.
+    fn take_transitions(&mut self) -> Vec<(usize, InstanceState)> {
+        self.inner
+            .take_transitions()
+            .into_iter()
+            .map(|(i, s)| (i, s.into()))
+            .collect()
+    }
+
+    #[getter]
+    fn has_transitions(&self) -> bool {
+        self.inner.has_transitions()
+    }
+
     fn stats(&self) -> PoolStats {
         let s = self.inner.stats();
         PoolStats {
