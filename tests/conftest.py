@@ -54,7 +54,8 @@ async def gateway_factory(
         prober = Prober(gw.runtime)
         prober.start()
         session = aiohttp.ClientSession()
-        handle = RunningGateway(gw, f"http://127.0.0.1:{port}", session, path)
+        admin = (config.get("auth") or {}).get("admin_key")
+        handle = RunningGateway(gw, f"http://127.0.0.1:{port}", session, path, admin)
         running.append((handle, runner, prober))
         return handle
 

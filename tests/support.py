@@ -24,6 +24,7 @@ class RunningGateway:
     url: str  # http://127.0.0.1:PORT
     session: aiohttp.ClientSession
     config_path: Path
+    admin_key: str | None = None
 
     async def reload(self, config: dict[str, Any], **kw: Any) -> tuple[int, dict[str, Any]]:
         """Rewrites the config file and asks for a reload over HTTP."""
@@ -38,7 +39,8 @@ class RunningGateway:
         return self.url + "/v1"
 
     async def state(self) -> dict[str, Any]:
-        async with self.session.get(self.url + "/admin/state") as resp:
+        headers = {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
+        async with self.session.get(self.url + "/admin/state", headers=headers) as resp:
             assert resp.status == 200
             data: dict[str, Any] = await resp.json()
             return data

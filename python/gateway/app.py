@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,10 +26,12 @@ from aiohttp.web_protocol import RequestHandler
 
 from gateway import __version__
 from gateway._core import Outcome, Priority
+from gateway.auth import KeyRing
 from gateway.config import Config, load_config
 from gateway.dashboard import render as render_dashboard
 from gateway.deadline import Watchdog
 from gateway.errors import ConfigError, NoHealthyInstance, QueueFull, retry_after_ms
+from gateway.limits import RateLimited, estimate_tokens
 from gateway.messages import ENDPOINTS, Endpoint, parse_request
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import Metrics
@@ -43,6 +44,7 @@ from gateway.upstream import (
     AttemptError,
     Upstream,
     inspect_body,
+    normalize_error,
     parse_retry_after_ms,
     upstream_error_of,
 )
@@ -77,6 +79,8 @@ class Exchange:
     usage: dict[str, Any] | None = None
     # The current attempt's time to first byte (head, or first stream chunk), seconds.
     ttfb: float | None = None
+    limit_headers: dict[str, str] | None = None
+    spilled_from: str | None = None
 
     def headers(self) -> dict[str, str]:
         h = {"X-Request-Id": self.request_id}
@@ -88,6 +92,10 @@ class Exchange:
         if self.instance is not None:
             h["X-Gateway-Instance"] = self.instance
             h["X-Gateway-Queue-Ms"] = f"{self.queue_ms:.1f}"
+        if self.spilled_from is not None:
+            h["X-Gateway-Spilled-From"] = self.spilled_from
+        if self.limit_headers:
+            h.update(self.limit_headers)
         return h
 
 
@@ -156,7 +164,7 @@ class Gateway:
         }
         for path, endpoint in ENDPOINTS.items():
             self._routes[("POST", path)] = self._proxy_handler(endpoint)
-        self._keys = self._load_keys(config)
+        self.keys = KeyRing(config)
         self.metrics = Metrics(lambda: self.runtime)
         self._routes[("GET", "/metrics")] = self.metrics_endpoint
 
@@ -251,10 +259,11 @@ class Gateway:
         return web.Response(status=200 if ok else 503, body=body, content_type=_JSON)
 
     async def models(self, request: web.BaseRequest) -> web.StreamResponse:
-        self._authenticate(request)
+        tenant = self.keys.authenticate(request.headers)
         data = [
             {"id": alias, "object": "model", "created": 0, "owned_by": "gateway"}
             for alias in self.runtime.router.aliases()
+            if tenant.models is None or alias in tenant.models
         ]
         return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type=_JSON)
 
@@ -302,7 +311,7 @@ class Gateway:
         return {"pools": pools, "draining": self.draining, "version": __version__}
 
     async def admin_state(self, request: web.BaseRequest) -> web.StreamResponse:
-        self._authenticate_admin(request)
+        self.keys.authenticate_admin(request.headers)
         return web.Response(body=orjson.dumps(self.state()), content_type=_JSON)
 
     async def reload(self) -> tuple[bool, str, list[str]]:
@@ -317,7 +326,7 @@ class Gateway:
             log.error("config reload failed", extra={"fields": {"reason": str(exc)}})
             return False, str(exc), []
         notes = self.runtime.reload(config)
-        self._keys = self._load_keys(config)
+        self.keys = KeyRing(config)
         self.metrics.reloaded(True)
         await self.runtime.collect()
         log.info(
@@ -327,7 +336,7 @@ class Gateway:
         return True, "reloaded", notes
 
     async def admin_reload(self, request: web.BaseRequest) -> web.StreamResponse:
-        self._authenticate_admin(request)
+        self.keys.authenticate_admin(request.headers)
         ok, message, notes = await self.reload()
         if not ok:
             raise HttpError(400, "invalid_config", f"Config not reloaded: {message}")
@@ -348,47 +357,6 @@ class Gateway:
             charset="utf-8",
             headers={"Cache-Control": "no-store"},
         )
-
-    # ---- auth ----------------------------------------------------------------------------
-
-    @staticmethod
-    def _load_keys(config: Config) -> list[tuple[bytes, str, Priority | None, int]]:
-        if config.auth is None:
-            return []
-        out = []
-        for tenant, key in enumerate(config.auth.keys, start=1):
-            prio = None
-            if key.priority is not None:
-                prio = Priority.HIGH if key.priority in ("high", "realtime") else Priority.LOW
-            out.append((key.key.encode(), key.name, prio, tenant))
-        return out
-
-    def _authenticate(self, request: web.BaseRequest) -> tuple[str, Priority | None, int]:
-        """Returns the key's (name, default priority, tenant); (anonymous, None, 0) without auth."""
-        if self.runtime.config.auth is None:
-            return "anonymous", None, 0
-        presented = _bearer(request.headers)
-        if presented is None:
-            raise HttpError(
-                401, "invalid_api_key", "Missing API key: send 'Authorization: Bearer <key>'."
-            )
-        found = None
-        # Constant-time: compare against every key, whatever matched.
-        for key, name, prio, tenant in self._keys:
-            if hmac.compare_digest(key, presented) and found is None:
-                found = (name, prio, tenant)
-        if found is None:
-            raise HttpError(401, "invalid_api_key", "Incorrect API key provided.")
-        return found
-
-    def _authenticate_admin(self, request: web.BaseRequest) -> None:
-        auth = self.runtime.config.auth
-        if auth is None:
-            return
-        presented = _bearer(request.headers)
-        admin = (auth.admin_key or "").encode()
-        if not admin or presented is None or not hmac.compare_digest(admin, presented):
-            raise HttpError(401, "invalid_api_key", "The admin API needs the admin key.")
 
     # ---- the proxy -----------------------------------------------------------------------
 
@@ -416,15 +384,37 @@ class Gateway:
                 raise HttpError(
                     503, "draining", "The gateway is shutting down.", retry_after_ms=1000
                 )
-            _, key_priority, tenant = self._authenticate(request)
+            tenant = self.keys.authenticate(request.headers)
             body = await self._read_body(request, ex.watchdog)
             data = parse_request(body, endpoint)
-            ex.decision = runtime.router.decide(data["model"], request.headers, data, key_priority)
-            resp = await self._dispatch(request, ex, endpoint, data, ticket, tenant)
+            if tenant.models is not None and data["model"] not in tenant.models:
+                # Like OpenAI: an alias this key may not use does not exist for it.
+                raise HttpError(
+                    404,
+                    "model_not_found",
+                    "The model does not exist or this API key has no access to it.",
+                    param="model",
+                )
+            ex.decision = runtime.router.decide(
+                data["model"], request.headers, data, tenant.priority
+            )
+            limits = tenant.limits
+            if limits is None:
+                resp = await self._dispatch(request, ex, endpoint, data, ticket, tenant.index)
+            else:
+                charged, ex.limit_headers = limits.admit(estimate_tokens(data))
+                try:
+                    resp = await self._dispatch(request, ex, endpoint, data, ticket, tenant.index)
+                finally:
+                    usage = ex.usage.get("total_tokens") if ex.usage else None
+                    limits.reconcile(charged, usage if isinstance(usage, int) else None)
         except HttpError as err:
             ex.status, ex.error = err.status, err.code
             self.metrics.rejected(err.code)
-            resp = error_response(err, ex.headers())
+            headers = ex.headers()
+            if isinstance(err, RateLimited):
+                headers.update(err.headers)
+            resp = error_response(err, headers)
         except asyncio.CancelledError:
             if not self._hard_stopped:
                 ex.status, ex.error = 499, "client_closed"
@@ -505,7 +495,7 @@ class Gateway:
         runtime = self.runtime
         max_attempts = runtime.config.retries.max_attempts
         priority = ex.decision.priority
-        pool_name: str | None = ex.decision.pool
+        pool_name: str | None = self._spill(ex, ex.decision.pool)
         visited: set[str] = set()
         last_error: AttemptError | None = None
         unavailable_ms = 1000
@@ -577,6 +567,29 @@ class Gateway:
             retry_after_ms=unavailable_ms,
         )
 
+    def _spill(self, ex: Exchange, name: str) -> str:
+        """Tier spill (off unless a pool sets `spill_to`): when this pool has no free slot and
+        at least `spill_queue_depth` requests waiting while the spill-to pool has a free slot,
+        the request is served there now instead of queueing (e.g. simple → heavy when light is
+        saturated; never the reverse unless configured)."""
+        pool = self.runtime.pools.get(name)
+        if pool is None or pool.spec.spill_to is None:
+            return name
+        target = self.runtime.pools.get(pool.spec.spill_to)
+        if target is None:
+            return name
+        now = _now_ms()
+        core = pool.scheduler.core
+        if (
+            core.waiting >= pool.spec.spill_queue_depth
+            and core.free_slots(now) == 0
+            and target.scheduler.core.waiting == 0
+            and target.scheduler.core.free_slots(now) > 0
+        ):
+            ex.spilled_from = name
+            return target.name
+        return name
+
     async def _attempt(
         self,
         request: web.BaseRequest,
@@ -632,8 +645,8 @@ class Gateway:
                 raw = await _read_all(resp_up, watchdog)
                 return web.Response(
                     status=status,
-                    body=upstream.scrub(raw),
-                    content_type=resp_up.content_type or _JSON,
+                    body=normalize_error(upstream.scrub(raw), status),
+                    content_type=_JSON,
                     headers=ex.headers(),
                 )
             if data.get("stream") and resp_up.content_type == "text/event-stream":
@@ -784,14 +797,6 @@ class Gateway:
 
 def _now_ms() -> int:
     return time.monotonic_ns() // 1_000_000
-
-
-def _bearer(headers: Mapping[str, str]) -> bytes | None:
-    raw = headers.get("Authorization", "")
-    scheme, _, token = raw.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return None
-    return token.strip().encode()
 
 
 async def _read_all(resp: aiohttp.ClientResponse, watchdog: Watchdog) -> bytes:

@@ -23,6 +23,7 @@ __all__ = [
     "AttemptError",
     "Upstream",
     "inspect_body",
+    "normalize_error",
     "parse_retry_after_ms",
     "upstream_error_of",
 ]
@@ -100,10 +101,64 @@ def upstream_error_of(body: bytes) -> str | None:
     return inspect_body(body)[0]
 
 
+# SPEC §6 probes: the default path per provider when `health.probe.path` is left at its
+# default, written from the server root like the spec's `/v1/models`.
+DEFAULT_PROBE_PATH = "/v1/models"
+PROVIDER_PROBE_PATHS = {
+    "openai": "/v1/models",
+    "vllm": "/v1/models",
+    "dashscope": "/compatible-mode/v1/models",
+    "qianfan": "/v2/models",
+}
+
+
+def normalize_error(body: bytes, status: int) -> bytes:
+    """An upstream's error body in OpenAI's shape `{"error": {message, type, param, code}}`.
+
+    Providers differ: vLLM answers `{"object": "error", "message", "type", "code": 400}` (an
+    integer code), Qianfan v1 `{"error_code": 336003, "error_msg": ...}`, DashScope's native
+    API `{"code": "InvalidParameter", "message": ...}`. Clients of this gateway see one shape.
+    """
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        data = None
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    message: Any = None
+    code: Any = None
+    etype: Any = kind
+    param: Any = None
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict):
+            message, etype = err.get("message"), err.get("type") or kind
+            param, code = err.get("param"), err.get("code")
+        elif "error_code" in data:
+            message, code = data.get("error_msg"), data.get("error_code")
+        elif "message" in data:
+            message, code = data.get("message"), data.get("code")
+            etype = data.get("type") or kind
+        elif isinstance(err, str):
+            message = err
+    if not isinstance(message, str) or not message:
+        message = f"upstream answered HTTP {status}"
+    return orjson.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": etype if isinstance(etype, str) else kind,
+                "param": param if isinstance(param, str) else None,
+                "code": None if code is None else str(code),
+            }
+        }
+    )
+
+
 class Upstream:
     """One instance: its connection pool, prebuilt headers and the scrubber for its key."""
 
     def __init__(self, spec: InstanceSpec, timeouts: Timeouts) -> None:
+        self.provider = spec.provider
         self.base_url = spec.url.rstrip("/")
         root = urlsplit(self.base_url)
         # Probe paths are written from the server root (`/v1/models`), not the base URL.
@@ -181,6 +236,8 @@ class Upstream:
 
     async def probe(self, path: str, timeout_s: float) -> bool:
         """A zero-token health probe: `GET path` answered 2xx within the timeout."""
+        if path == DEFAULT_PROBE_PATH:
+            path = PROVIDER_PROBE_PATHS.get(self.provider, path)
         try:
             async with asyncio.timeout(timeout_s):
                 async with self.session().get(

@@ -694,6 +694,25 @@ impl Pool {
         self.queues[class.index()].live()
     }
 
+    /// Slots a new request could take right now: free slots of instances that admit traffic
+    /// (a half-open instance counts only its remaining trial permits).
+    pub fn free_slots(&mut self, now: Millis) -> u32 {
+        self.advance(now);
+        let health = &self.cfg.health;
+        self.instances
+            .iter()
+            .filter(|i| !i.removed && i.breaker.admits(health, now))
+            .map(|i| {
+                let free = i.max_concurrency.saturating_sub(i.in_flight);
+                if i.breaker.state() == InstanceState::HalfOpen {
+                    free.min(health.half_open_max_requests - i.breaker.trials())
+                } else {
+                    free
+                }
+            })
+            .sum()
+    }
+
     pub fn in_flight(&self) -> u32 {
         self.instances.iter().map(|i| i.in_flight).sum()
     }

@@ -275,6 +275,11 @@ impl Pool {
         self.inner.waiting()
     }
 
+    /// Slots a new request could take now (admitting instances only).
+    fn free_slots(&mut self, now_ms: u64) -> u32 {
+        self.inner.free_slots(now_ms)
+    }
+
     #[getter]
     fn in_flight(&self) -> u32 {
         self.inner.in_flight()
