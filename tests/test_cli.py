@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import aiohttp
@@ -183,3 +184,58 @@ async def test_watch_and_sighup_reload_the_config(tmp_path: Path, mocks: MockFac
             await proc.wait()
     _, err = await proc.communicate()
     assert "pools.light.instances[0].max_concurrency" in err.decode()
+
+
+@pytest.mark.timeout(60)
+async def test_sigterm_past_the_drain_deadline_answers_everyone(
+    tmp_path: Path, mocks: MockFactory
+) -> None:
+    m = await mocks(latency_ms=5000, tokens_per_s=2, default_tokens=50)
+    port = _free_port()
+    path = _config(tmp_path, m.url, port)
+    path.write_text(path.read_text().replace("drain_timeout_ms: 3000", "drain_timeout_ms: 500"))
+    proc = await asyncio.create_subprocess_exec(
+        *GATEWAY,
+        "serve",
+        "--config",
+        str(path),
+        env={**os.environ, "UPSTREAM_KEY": "k"},
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        await _wait_listening(port, proc)
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        body = {"model": "judge-lite", "messages": [{"role": "user", "content": "hi"}]}
+        m.configure(latency_ms=0)
+        async with aiohttp.ClientSession() as s:
+
+            async def plain() -> tuple[int, str]:
+                async with s.post(url, json=body) as r:
+                    return r.status, await r.text()
+
+            async def stream() -> tuple[int, str]:
+                async with s.post(url, json={**body, "stream": True}) as r:
+                    return r.status, await r.text()
+
+            # 2 slots: a stream and a request in flight, 2 more queued behind them
+            m.configure(latency_ms=0)
+            tasks = [asyncio.create_task(stream())]
+            await asyncio.sleep(0.3)
+            m.configure(latency_ms=5000)
+            tasks += [asyncio.create_task(plain()) for _ in range(3)]
+            await asyncio.sleep(0.3)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            results = await asyncio.gather(*tasks)
+            assert time.monotonic() - t0 < 4  # the drain deadline, not the 5 s upstream
+        status, text = results[0]
+        assert status == 200 and text.rstrip().splitlines()[-1].startswith('data: {"error"')
+        assert "[DONE]" not in text
+        for status, text in results[1:]:  # in flight or queued: exactly one honest answer each
+            assert status == 503 and '"draining"' in text
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
