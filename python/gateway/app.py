@@ -81,6 +81,8 @@ class Exchange:
     ttfb: float | None = None
     limit_headers: dict[str, str] | None = None
     spilled_from: str | None = None
+    # Why the current attempt failed after the response started (for /admin/state).
+    attempt_error: str | None = None
 
     def headers(self) -> dict[str, str]:
         h = {"X-Request-Id": self.request_id}
@@ -294,10 +296,14 @@ class Gateway:
                         "next_try_at": round(info.next_try_ms / 1000 + unix_offset, 3),
                         "ejections": info.ejections,
                         "removed": info.removed,
+                        "last_error": last[1] if (last := pool.last_errors.get(i)) else None,
+                        "last_error_at": round(last[0], 3) if last else None,
                     }
                 )
+            sched = self.runtime.config.scheduler
             pools[name] = {
                 "queued": {"high": core.queued(Priority.HIGH), "low": core.queued(Priority.LOW)},
+                "queue_capacity": {"high": sched.high.capacity, "low": sched.low.capacity},
                 "in_flight": core.in_flight,
                 "granted": {"high": stats.granted_high, "low": stats.granted_low},
                 "forced_low_grants": stats.forced_low,
@@ -308,7 +314,12 @@ class Gateway:
                 "fallback": pool.spec.fallback,
                 "instances": instances,
             }
-        return {"pools": pools, "draining": self.draining, "version": __version__}
+        return {
+            "pools": pools,
+            "draining": self.draining,
+            "version": __version__,
+            "now": round(time.time(), 3),
+        }
 
     async def admin_state(self, request: web.BaseRequest) -> web.StreamResponse:
         self.keys.authenticate_admin(request.headers)
@@ -552,6 +563,7 @@ class Gateway:
                 if not isinstance(result, AttemptError):
                     return result
                 last_error = result
+                pool.last_errors[idx] = (time.time(), str(result))
                 # SPEC §6: retried "on another instance of its pool".
                 excluded |= 1 << idx
             pool_name = pool.spec.fallback
@@ -614,6 +626,7 @@ class Gateway:
         deadline = t0 + timeouts.total_ms / 1000
         ex.ttfb = None
         ex.usage = None
+        ex.attempt_error = None
         try:
             # SPEC §6 timeouts: first byte, then the attempt's total.
             watchdog.arm(min(t0 + timeouts.first_byte_ms / 1000, deadline))
@@ -671,6 +684,9 @@ class Gateway:
             return err
         finally:
             watchdog.disarm()
+            if outcome is Outcome.FAILURE and ex.attempt_error is not None:
+                # A failure after the response started (the others are noted by _dispatch).
+                pool.last_errors[idx] = (time.time(), ex.attempt_error)
             elapsed = loop.time() - t0
             ex.upstream_ms += elapsed * 1000
             self.metrics.attempt(pool.name, upstream.name, ex.ttfb, elapsed)
@@ -753,6 +769,7 @@ class Gateway:
             # cut, never a fake [DONE]".
             code, why = failure
             ex.error = code
+            ex.attempt_error = f"stream failed: {why}"
             with contextlib.suppress(ConnectionResetError):
                 await resp.write(sse_error_event(code, f"The upstream stream failed: {why}."))
                 await resp.write_eof()
@@ -762,6 +779,7 @@ class Gateway:
             # The upstream itself reported an error inside the stream (vLLM does): the
             # client already has that event; the instance failed this request.
             ex.error = "upstream_error"
+            ex.attempt_error = "the upstream sent an error event mid-stream"
             return resp, Outcome.FAILURE
         return resp, Outcome.SUCCESS
 

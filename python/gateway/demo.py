@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import itertools
 import logging
@@ -96,7 +97,7 @@ HEAVY_BEHAVIOR: Final = {
     "latency_ms": 600.0,
     "latency_dist": "pareto",  # heavy tail: most answers quick, a few very slow
     "latency_max_ms": 5000.0,
-    "tokens_per_s": 90.0,
+    "tokens_per_s": 80.0,
 }
 # Health settings of the demo's config, quoted in the summary. Ejection is short so that
 # the crash, the ejection and the recovery all fit in the run.
@@ -108,18 +109,18 @@ PROBE_INTERVAL_MS: Final = 500
 # the same story). Three acts: the surge lands while the batch backlog still fills the
 # pools (scheduling), then the crash (health), then recovery and a quiet drain.
 SURGE: Final = (0.15, 0.30)
-CRASH_AT: Final = 0.40
-RECOVER_AT: Final = 0.62
+CRASH_AT: Final = 0.35
+RECOVER_AT: Final = 0.60
 
 REALTIME_SHARE: Final = 0.8  # of the live stream
-COMPLEX_SHARE: Final = 0.08  # of the live stream
-BACKLOG_COMPLEX_SHARE: Final = 0.1  # of the backlog
+COMPLEX_SHARE: Final = 0.1  # of the live stream
+BACKLOG_COMPLEX_SHARE: Final = 0.12  # of the backlog
 PINNED_SHARE: Final = 0.1  # sent to judge-lite / judge-pro instead of judge
 STREAM_SHARE: Final = 0.5  # of realtime requests (a student watches the verdict appear)
 BACKLOG_PER_RATE_SECOND: Final = 0.5  # backlog size = this × rate × duration
 # Extra realtime arrivals in the surge, × rate: enough that realtime alone wants more than
 # its 7 in 10 of light's slots for a while, so its queue grows and the split shows.
-SURGE_EXTRA: Final = 0.7
+SURGE_EXTRA: Final = 1.0
 DRAIN_LIMIT_S: Final = 40.0  # after the workload, wait at most this long for answers
 SAMPLE_EVERY_S: Final = 0.2
 
@@ -934,13 +935,9 @@ def grant_buckets(
     return [i * bucket for i in range(n)], high, low, forced
 
 
-def contention(snapshots: Sequence[Snapshot], pool: str) -> tuple[int, int, int, list[Span]]:
-    """Grants made while both classes were waiting: (high, low, forced low, the time spans).
-
-    An interval between two samples counts when both queues were non-empty at both ends; the
-    scheduler's choice between the classes is only visible there.
-    """
-    high = low = forced = 0
+def both_waiting(snapshots: Sequence[Snapshot], pool: str) -> list[Span]:
+    """The stretches of time when both of `pool`'s queues were non-empty (at both ends of a
+    sampling interval): where the scheduler had to choose between the classes."""
     spans: list[Span] = []
     for a, b in itertools.pairwise(snapshots):
         pa, pb = a.pools.get(pool), b.pools.get(pool)
@@ -948,14 +945,51 @@ def contention(snapshots: Sequence[Snapshot], pool: str) -> tuple[int, int, int,
             continue
         if min(pa.queued_high, pa.queued_low, pb.queued_high, pb.queued_low) == 0:
             continue
-        high += pb.granted_high - pa.granted_high
-        low += pb.granted_low - pa.granted_low
-        forced += pb.forced_low - pa.forced_low
         if spans and abs(spans[-1].end - a.t) < 1e-9:
-            spans[-1] = Span(spans[-1].start, b.t, "", spans[-1].color)
+            spans[-1] = Span(spans[-1].start, b.t, spans[-1].label, spans[-1].color)
         else:
-            spans.append(Span(a.t, b.t, "", "#e8eef6"))
-    return high, low, forced, spans
+            spans.append(Span(a.t, b.t, "both classes waiting", "#dde7f3"))
+    return spans
+
+
+def contended_grants(samples: Sequence[Sample], pool: str) -> tuple[int, int]:
+    """(high, low) grants in `pool` made while a request of the other class was waiting.
+
+    Only there does the policy choose (SPEC §3 "Selection"), so only there should the split
+    be 7:3. Each queued request waited from when it was sent until `X-Gateway-Queue-Ms`
+    later, when it was granted; a grant is contended when that moment falls inside another
+    class's wait. Per grant and exact to a millisecond or two, where sampling the state's
+    counters every 200 ms would blur the moments one queue ran empty.
+    """
+    margin = 0.002
+    waits: dict[str, list[tuple[float, float]]] = {"high": [], "low": []}
+    for s in samples:
+        if s.pool != pool or s.queue_ms is None or s.queue_ms < 1.0:
+            continue  # dispatched at once: nothing of the pool was waiting (SPEC §2.4)
+        cls = s.waited_as if s.waited_as in waits else s.job.priority
+        waits[cls].append((s.sent, s.sent + s.queue_ms / 1000))
+    unions = {cls: _union(iv) for cls, iv in waits.items()}
+    counts = {"high": 0, "low": 0}
+    for cls, other in (("high", "low"), ("low", "high")):
+        starts, ends = unions[other]
+        for _, granted in waits[cls]:
+            i = bisect.bisect_right(starts, granted - margin) - 1
+            if i >= 0 and ends[i] > granted + margin:
+                counts[cls] += 1
+    return counts["high"], counts["low"]
+
+
+def _union(intervals: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    """Sorted, merged intervals as (starts, ends)."""
+    starts: list[float] = []
+    ends: list[float] = []
+    for a, b in sorted(intervals):
+        if ends and a <= ends[-1]:
+            ends[-1] = max(ends[-1], b)
+        else:
+            starts.append(a)
+            ends.append(b)
+    return starts, ends
 
 
 def state_bands(snapshots: Sequence[Snapshot]) -> dict[str, list[Band]]:
@@ -1043,6 +1077,19 @@ def _retried(result: DemoResult) -> tuple[int, int]:
 # ---- the summary -----------------------------------------------------------------------------
 
 
+def _class_row(label: str, samples: Sequence[Sample], cls: str) -> str:
+    """count, ok, failed, p50/p99 queue wait, p50/p99 end-to-end latency."""
+    finished = [x for x in samples if x.done is not None or x.error]
+    ok = [x for x in samples if x.ok]
+    waits = _waits(samples, cls)
+    e2e = [x.e2e_ms for x in ok if x.e2e_ms is not None]
+    return (
+        f"{label:<16}{len(samples):>6}{len(ok):>7}{len(finished) - len(ok):>8}"
+        f"{fmt_ms(percentile(waits, 50)):>11}{fmt_ms(percentile(waits, 99)):>11}"
+        f"{fmt_ms(percentile(e2e, 50)):>10}{fmt_ms(percentile(e2e, 99)):>10}"
+    )
+
+
 def summarize(result: DemoResult) -> str:
     """The plain-text summary printed at the end (and shown in the report)."""
     o, s = result.options, result.samples
@@ -1060,16 +1107,9 @@ def summarize(result: DemoResult) -> str:
     )
     for cls in ("high", "low"):
         mine = [x for x in s if x.job.priority == cls]
-        done = [x for x in mine if x.done is not None or x.error]
-        ok = [x for x in mine if x.ok]
-        waits = _waits(mine, cls)
-        e2e = [x.e2e_ms for x in ok if x.e2e_ms is not None]
-        add(
-            f"{CLASS_NAME[cls] + ' (' + cls + ')':<16}{len(mine):>6}{len(ok):>7}"
-            f"{len(done) - len(ok):>8}{fmt_ms(percentile(waits, 50)):>11}"
-            f"{fmt_ms(percentile(waits, 99)):>11}{fmt_ms(percentile(e2e, 50)):>10}"
-            f"{fmt_ms(percentile(e2e, 99)):>10}"
-        )
+        add(_class_row(f"{CLASS_NAME[cls]} ({cls})", mine, cls))
+        for pool in _pool_names(result):
+            add(_class_row(f"  in {pool}", [x for x in mine if x.pool == pool], cls))
     failures = Counter(x.error for x in s if x.error is not None)
     if failures:
         add("  failures: " + ", ".join(f"{n} {why}" for why, n in failures.most_common()))
@@ -1095,16 +1135,16 @@ def summarize(result: DemoResult) -> str:
     add("")
     add("scheduling — grants made while both classes waited (the policy's choice):")
     for pool in _pool_names(result):
-        high, low, forced, spans = contention(result.snapshots, pool)
+        high, low = contended_grants(s, pool)
         total = high + low
-        waited = sum(sp.end - sp.start for sp in spans)
+        forced = last.pools[pool].forced_low if last and pool in last.pools else 0
         if total:
             add(
-                f"  {pool:<6} high {high / total:6.1%} : low {low / total:6.1%}  of {total} "
-                f"grants in {waited:.1f} s · forced low grants (starvation guard) {forced}"
+                f"  {pool:<6} high {high / total:4.0%} : low {low / total:4.0%}  of {total:>4} "
+                f"contended grants · forced low grants (starvation guard) {forced}"
             )
         else:
-            add(f"  {pool:<6} both classes never waited at once")
+            add(f"  {pool:<6} the two classes never waited at once · forced low grants {forced}")
     all_forced = sum(p.forced_low for p in last.pools.values()) if last else 0
     if o.policy == "weighted" and all_forced == 0:
         add("  (weighted 7:3 keeps batch moving by itself, so the starvation guard never had")
@@ -1158,6 +1198,17 @@ def _markers(result: DemoResult) -> list[Marker]:
     return out
 
 
+def _depth_series(snapshots: Sequence[Snapshot], pool: str, cls: str) -> Series:
+    points = [
+        (x.t, float(x.pools[pool].queued_high if cls == "high" else x.pools[pool].queued_low))
+        for x in snapshots
+        if pool in x.pools
+    ]
+    peak = max((y for _, y in points), default=0.0)
+    label = f"{CLASS_NAME[cls]} ({cls}) queued, peak {peak:.0f}"
+    return Series(label, points, CLASS_COLOR[cls], width=2.5 if cls == "high" else 2.0)
+
+
 def _surge_span(result: DemoResult) -> Span:
     a, b = result.script.surge
     return Span(a, b, "exam-deadline surge", "#fbeee0")
@@ -1191,7 +1242,8 @@ def render_report(result: DemoResult) -> str:
     balancing: list[tuple[str, str]] = []
     for pool in _pool_names(result):
         starts, high, low, forced = grant_buckets(result.snapshots, pool)
-        h, lo, _f, spans = contention(result.snapshots, pool)
+        h, lo = contended_grants(s, pool)
+        spans = both_waiting(result.snapshots, pool)
         share = f"{h / (h + lo):.0%} : {lo / (h + lo):.0%}" if h + lo else "n/a"
         scheduling.append(
             (
@@ -1207,7 +1259,7 @@ def render_report(result: DemoResult) -> str:
                     y_label="slots granted per second",
                     x_range=x_range,
                     x_fmt=fmt_seconds,
-                    spans=[Span(sp.start, sp.end, "", "#dde7f3") for sp in spans],
+                    spans=spans,
                     markers=markers if pool == "heavy" else [],
                 ),
                 f"Each bar is one second of slot grants in pool {pool}. Shaded: both queues were "
@@ -1221,16 +1273,8 @@ def render_report(result: DemoResult) -> str:
                 line_chart(
                     f"Queue depth — pool {pool}",
                     [
-                        Series(
-                            "realtime (high) queued",
-                            [(x.t, x.pools[pool].queued_high) for x in result.snapshots],
-                            CLASS_COLOR["high"],
-                        ),
-                        Series(
-                            "batch (low) queued",
-                            [(x.t, x.pools[pool].queued_low) for x in result.snapshots],
-                            CLASS_COLOR["low"],
-                        ),
+                        _depth_series(result.snapshots, pool, "high"),
+                        _depth_series(result.snapshots, pool, "low"),
                     ],
                     x_label="seconds since start",
                     y_label="requests waiting",

@@ -57,6 +57,8 @@ class PoolRuntime:
     spec: PoolSpec
     scheduler: PoolScheduler
     upstreams: list[Upstream] = field(default_factory=list)
+    # The latest failed attempt per instance index: (unix time, our own reason text).
+    last_errors: dict[int, tuple[float, str]] = field(default_factory=dict)
 
     def live_upstreams(self) -> list[tuple[int, Upstream]]:
         """The instances of the current config (not the removed, draining ones)."""
