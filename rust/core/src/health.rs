@@ -108,10 +108,12 @@ impl Breaker {
         }
     }
 
-    /// Whether the instance could take traffic now if it had a free slot — the test behind
-    /// "no healthy instance". A half-open instance whose trial permits are taken is busy, not down.
-    pub fn available(&self, now: Millis) -> bool {
-        now >= self.cool_until && self.state != InstanceState::Ejected
+    /// Whether the instance is up — the test behind "no healthy instance" (SPEC §6: every
+    /// instance *ejected*). A half-open instance whose trial permits are taken is busy, not
+    /// down; so is one cooling off for an upstream's Retry-After: requests wait for it (within
+    /// their `max_wait_ms`) rather than fail.
+    pub fn available(&self) -> bool {
+        self.state != InstanceState::Ejected
     }
 
     /// Earliest time this instance may be tried again (for `Retry-After`).
@@ -362,7 +364,7 @@ mod tests {
         let mut b = Breaker::new();
         b.cool(5_000);
         assert!(!b.admits(&c, 4_999));
-        assert!(!b.available(4_999));
+        assert!(b.available()); // busy, not down
         assert_eq!(b.state(), InstanceState::Healthy);
         assert_eq!(b.next_try_at(1_000), 5_000);
         assert!(b.admits(&c, 5_000));

@@ -60,6 +60,10 @@ impl PoolConfig {
         if self.selector.max_consecutive_high == 0 {
             return bad("scheduler.max_consecutive_high must be at least 1");
         }
+        if self.selector.max_low_wait_ms == 0 {
+            // 0 would force every grant to low while lows wait: priority inverted.
+            return bad("scheduler.max_low_wait_ms must be at least 1");
+        }
         if self.health.failure_threshold == 0 {
             return bad("health.failure_threshold must be at least 1");
         }
@@ -104,7 +108,7 @@ pub enum Admit {
 
 #[derive(Clone, Copy, Debug)]
 enum TicketState {
-    Waiting(Priority),
+    Waiting(Priority, Tenant),
     Granted {
         instance: u32,
         epoch: u32,
@@ -330,7 +334,7 @@ impl Pool {
         }
         self.advance(now);
         // SPEC §6: nothing this request may use is up — answer now (fallback or 503).
-        if !self.any_available(excluded, now) {
+        if !self.any_available(excluded) {
             self.stats.unservable += 1;
             return Err(CoreError::NoHealthyInstance {
                 retry_after_ms: self.retry_after_unavailable(excluded, now),
@@ -359,18 +363,9 @@ impl Pool {
                 retry_after_ms: self.retry_after_ms(priority, now),
             });
         };
-        let max_wait = match class {
-            Priority::High => self.cfg.high_max_wait_ms,
-            Priority::Low => self.cfg.low_max_wait_ms,
-        };
-        self.queues[class.index()].push(Entry::new(
-            ticket,
-            tenant,
-            now,
-            now.saturating_add(max_wait),
-            excluded,
-        ));
-        self.tickets.insert(ticket, TicketState::Waiting(class));
+        self.queues[class.index()].push(Entry::new(ticket, tenant, now, excluded));
+        self.tickets
+            .insert(ticket, TicketState::Waiting(class, tenant));
         // Usually nothing fits (the queue was non-empty because nothing did), but a free slot
         // that only retries excluded, or capacity that came back with time, must not idle.
         self.pump(now);
@@ -391,10 +386,10 @@ impl Pool {
     /// `false` when it is not waiting — already granted (release it instead) or unknown.
     pub fn cancel(&mut self, ticket: Ticket) -> bool {
         match self.tickets.get(&ticket) {
-            Some(TicketState::Waiting(class)) => {
-                let class = *class;
+            Some(TicketState::Waiting(class, tenant)) => {
+                let (class, tenant) = (*class, *tenant);
                 self.tickets.remove(&ticket);
-                self.queues[class.index()].forget_one();
+                self.queues[class.index()].forget(tenant);
                 self.stats.cancelled += 1;
                 true
             }
@@ -421,6 +416,8 @@ impl Pool {
             return Err(CoreError::UnknownTicket(ticket));
         };
         self.tickets.remove(&ticket);
+        // Time-driven transitions first, so the outcome meets the state it really lands in.
+        self.advance(now);
         let inst = &mut self.instances[instance as usize];
         debug_assert!(
             inst.in_flight > 0,
@@ -449,6 +446,11 @@ impl Pool {
         now: Millis,
     ) -> Result<Vec<Event>, CoreError> {
         let cfg = self.cfg.health.clone();
+        if idx >= self.instances.len() {
+            return Err(CoreError::UnknownInstance(idx));
+        }
+        // An ejection that ended meets this probe as half-open: a failure ejects it again.
+        self.advance(now);
         let breaker = &mut self.instance_mut(idx)?.breaker;
         let before = breaker.state();
         breaker.on_probe(&cfg, ok, now);
@@ -463,19 +465,7 @@ impl Pool {
     /// Time passed: expire overdue waiters, admit instances whose ejection or cool-down ended.
     /// Call at `next_wakeup`, and after reconfiguring.
     pub fn tick(&mut self, now: Millis) -> Vec<Event> {
-        for class in [Priority::High, Priority::Low] {
-            let tickets = &self.tickets;
-            let expired =
-                self.queues[class.index()].expire(now, &|t| is_waiting(tickets, t, class));
-            for t in expired {
-                self.tickets.remove(&t);
-                self.stats.expired += 1;
-                self.events.push(Event {
-                    ticket: t,
-                    kind: EventKind::Expired,
-                });
-            }
-        }
+        self.advance(now);
         self.pump(now);
         self.take_events()
     }
@@ -486,7 +476,9 @@ impl Pool {
         if self.waiting() == 0 {
             return None;
         }
-        let deadlines = self.queues.iter().filter_map(ClassQueue::next_deadline);
+        let deadlines = [Priority::High, Priority::Low]
+            .into_iter()
+            .filter_map(|c| self.queues[c.index()].next_deadline(self.max_wait(c)));
         let recoveries = self
             .instances
             .iter()
@@ -494,6 +486,32 @@ impl Pool {
             .map(|i| i.breaker.next_try_at(now))
             .filter(|&t| t > now);
         deadlines.chain(recoveries).min()
+    }
+
+    fn max_wait(&self, class: Priority) -> Millis {
+        match class {
+            Priority::High => self.cfg.high_max_wait_ms,
+            Priority::Low => self.cfg.low_max_wait_ms,
+        }
+    }
+
+    /// SPEC §3 "Deadlines": a request waiting longer than its class's `max_wait_ms` is
+    /// answered and removed — before any grant, so an overdue request is never granted.
+    fn expire(&mut self, now: Millis) {
+        for class in [Priority::High, Priority::Low] {
+            let max_wait = self.max_wait(class);
+            let tickets = &self.tickets;
+            let expired = self.queues[class.index()]
+                .expire(now, max_wait, &|t| is_waiting(tickets, t, class));
+            for t in expired {
+                self.tickets.remove(&t);
+                self.stats.expired += 1;
+                self.events.push(Event {
+                    ticket: t,
+                    kind: EventKind::Expired,
+                });
+            }
+        }
     }
 
     // ---- the scheduling ------------------------------------------------------------------
@@ -505,7 +523,8 @@ impl Pool {
             return;
         }
         self.advance(now);
-        self.evict_unservable(now);
+        self.expire(now);
+        self.evict_unservable();
         while self.waiting() > 0 {
             let tickets = &self.tickets;
             let low_live = |t| is_waiting(tickets, t, Priority::Low);
@@ -560,12 +579,12 @@ impl Pool {
 
     /// SPEC §6: a request that no instance it may use can serve is answered now (its pool's
     /// fallback, or 503 with Retry-After) rather than held until its deadline.
-    fn evict_unservable(&mut self, now: Millis) {
+    fn evict_unservable(&mut self) {
         for class in [Priority::High, Priority::Low] {
             if self.queues[class.index()].live() == 0 {
                 continue;
             }
-            let up = self.available_mask(now);
+            let up = self.available_mask();
             let queue = &mut self.queues[class.index()];
             let tickets = &self.tickets;
             let live = |t| is_waiting(tickets, t, class);
@@ -640,17 +659,17 @@ impl Pool {
         !self.transitions.is_empty()
     }
 
-    /// Bit set of instances that are up (not removed, not ejected, not cooling).
-    fn available_mask(&self, now: Millis) -> u64 {
+    /// Bit set of instances that are up (not removed, not ejected).
+    fn available_mask(&self) -> u64 {
         self.instances
             .iter()
             .enumerate()
-            .filter(|(_, i)| !i.removed && i.breaker.available(now))
+            .filter(|(_, i)| !i.removed && i.breaker.available())
             .fold(0, |m, (k, _)| m | (1 << k))
     }
 
-    fn any_available(&self, excluded: u64, now: Millis) -> bool {
-        self.available_mask(now) & !excluded != 0
+    fn any_available(&self, excluded: u64) -> bool {
+        self.available_mask() & !excluded != 0
     }
 
     /// Milliseconds until the earliest instance this request may use can be tried.
@@ -749,7 +768,7 @@ impl Pool {
 }
 
 fn is_waiting(tickets: &TicketMap, t: Ticket, class: Priority) -> bool {
-    matches!(tickets.get(&t), Some(TicketState::Waiting(c)) if *c == class)
+    matches!(tickets.get(&t), Some(TicketState::Waiting(c, _)) if *c == class)
 }
 
 fn other(p: Priority) -> Priority {

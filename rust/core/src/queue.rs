@@ -2,12 +2,17 @@
 //!
 //! Entries wait in per-tenant FIFOs visited round-robin (one grant per tenant per turn: fair
 //! queuing without weights), so one tenant's 1,000-request batch cannot stall another tenant's
-//! batch behind it. With one tenant it is a plain FIFO.
+//! batch behind it. A tenant with nothing left waiting leaves the ring and rejoins at the back,
+//! as in textbook round-robin. With one tenant it is a plain FIFO.
 //!
-//! Cancellation is O(1): the pool forgets the ticket and calls `forget_one`; the entry stays as
-//! a tombstone until it reaches a head, where it is dropped. Capacity and depth count live
+//! Cancellation is O(tenants): the pool forgets the ticket and calls `forget`; the entry stays
+//! as a tombstone until it reaches a head, where it is dropped. Capacity and depth count live
 //! entries only (SPEC §3: a cancelled request "no longer counts toward capacity, depth or
 //! metrics").
+//!
+//! Deadlines are not stored: an entry's deadline is its `enqueued_at` plus the class's current
+//! `max_wait_ms`, so a reload that changes the bound applies to everyone already waiting, and
+//! within a tenant's FIFO deadlines stay in order.
 //!
 //! Why not a lock-free MPMC ring (crossbeam's `ArrayQueue`): every operation on a pool runs on
 //! its owner's thread (the event loop), so there is no contention to be free of, and a ring can
@@ -23,8 +28,8 @@ use crate::types::{Millis, Tenant, Ticket};
 pub struct Entry {
     pub ticket: Ticket,
     pub tenant: Tenant,
+    /// When it (last) started waiting.
     pub enqueued_at: Millis,
-    pub deadline: Millis,
     /// Instances this request must not be sent to (already tried), as a bit set.
     pub excluded: u64,
     /// Set by `push` when the entry went in before later arrivals (a retry).
@@ -32,25 +37,18 @@ pub struct Entry {
 }
 
 impl Entry {
-    pub fn new(
-        ticket: Ticket,
-        tenant: Tenant,
-        enqueued_at: Millis,
-        deadline: Millis,
-        excluded: u64,
-    ) -> Self {
+    pub fn new(ticket: Ticket, tenant: Tenant, enqueued_at: Millis, excluded: u64) -> Self {
         Self {
             ticket,
             tenant,
             enqueued_at,
-            deadline,
             excluded,
             reinserted: false,
         }
     }
 
-    /// An entry that may be passed over (it has exclusions) or that breaks the deadline order
-    /// (it was reinserted). While any is present, expiry and eviction scan whole queues.
+    /// An entry that may be passed over (it has exclusions) or that breaks the arrival-time
+    /// order of its FIFO (it was reinserted). While any is present, scans cover whole queues.
     fn irregular(&self) -> bool {
         self.excluded != 0 || self.reinserted
     }
@@ -60,11 +58,12 @@ impl Entry {
 struct TenantQueue {
     tenant: Tenant,
     entries: VecDeque<Entry>,
+    live: usize,
 }
 
 #[derive(Debug)]
 pub struct ClassQueue {
-    /// Tenants with at least one (possibly tombstoned) entry, in round-robin order.
+    /// Tenants with at least one live entry, in round-robin order.
     ring: VecDeque<TenantQueue>,
     live: usize,
     /// Irregular entries present, live or tombstoned.
@@ -109,10 +108,12 @@ impl ClassQueue {
                 self.ring.push_back(TenantQueue {
                     tenant: entry.tenant,
                     entries: VecDeque::new(),
+                    live: 0,
                 });
                 self.ring.back_mut().expect("just pushed")
             }
         };
+        q.live += 1;
         if q.entries
             .back()
             .is_none_or(|last| last.ticket < entry.ticket)
@@ -129,22 +130,27 @@ impl ClassQueue {
         }
     }
 
-    /// The pool cancelled a waiting ticket of this class; its entry is now a tombstone.
-    pub fn forget_one(&mut self) {
+    /// The pool cancelled a waiting ticket of `tenant` in this class; its entry is now a
+    /// tombstone. A tenant left with nothing live leaves the ring (and its turn).
+    pub fn forget(&mut self, tenant: Tenant) {
         debug_assert!(self.live > 0, "forget on an empty class");
         self.live -= 1;
-    }
-
-    fn note_removed(&mut self, e: &Entry) {
-        if e.irregular() {
-            self.irregular -= 1;
+        let i = self
+            .ring
+            .iter()
+            .position(|q| q.tenant == tenant)
+            .expect("a waiting ticket's tenant is in the ring");
+        self.ring[i].live -= 1;
+        if self.ring[i].live == 0 {
+            let gone = self.ring.remove(i).expect("index from position");
+            self.irregular -= gone.entries.iter().filter(|e| e.irregular()).count();
         }
     }
 
-    /// Drops tombstones at the heads and tenants left empty.
+    /// Drops tombstones at the heads.
     fn clean_heads(&mut self, is_live: &impl Fn(Ticket) -> bool) {
         let mut dropped = 0;
-        self.ring.retain_mut(|q| {
+        for q in self.ring.iter_mut() {
             while let Some(e) = q.entries.front() {
                 if is_live(e.ticket) {
                     break;
@@ -152,16 +158,24 @@ impl ClassQueue {
                 dropped += usize::from(e.irregular());
                 q.entries.pop_front();
             }
-            !q.entries.is_empty()
-        });
+        }
         self.irregular -= dropped;
     }
 
-    /// The arrival time of the oldest live entry at a tenant's head (the starvation guard's
-    /// "oldest low").
+    /// The arrival time of the oldest live entry (the starvation guard's "oldest low").
     pub fn oldest_enqueued_at(&mut self, is_live: &impl Fn(Ticket) -> bool) -> Option<Millis> {
         if self.live == 0 {
             return None;
+        }
+        if self.irregular > 0 {
+            // A retry back at its place can hide an older entry behind it.
+            return self
+                .ring
+                .iter()
+                .flat_map(|q| q.entries.iter())
+                .filter(|e| is_live(e.ticket))
+                .map(|e| e.enqueued_at)
+                .min();
         }
         self.clean_heads(is_live);
         self.ring
@@ -204,10 +218,15 @@ impl ClassQueue {
                 // past keep their turn ahead of it.
                 let mut served = self.ring.remove(turn).expect("turn is in range");
                 let entry = served.entries.remove(i).expect("index from the scan");
-                if !served.entries.is_empty() {
-                    self.ring.push_back(served);
+                served.live -= 1;
+                if entry.irregular() {
+                    self.irregular -= 1;
                 }
-                self.note_removed(&entry);
+                if served.live > 0 {
+                    self.ring.push_back(served);
+                } else {
+                    self.irregular -= served.entries.iter().filter(|e| e.irregular()).count();
+                }
                 self.live -= 1;
                 return Some((entry, inst));
             }
@@ -216,7 +235,8 @@ impl ClassQueue {
     }
 
     /// Removes every live entry for which `pred` holds (and tombstones met on the way);
-    /// returns their tickets in queue order. Scans heads only while the queue is regular.
+    /// returns their tickets in queue order. Scans heads only while the queue is regular
+    /// (`pred` must then be monotone along a FIFO, as deadlines are).
     pub fn remove_where(
         &mut self,
         is_live: &impl Fn(Ticket) -> bool,
@@ -226,6 +246,7 @@ impl ClassQueue {
         let mut dropped_irregular = 0;
         let full_scan = self.irregular > 0;
         for q in self.ring.iter_mut() {
+            let mut removed_live = 0;
             if full_scan {
                 q.entries.retain(|e| {
                     let live = is_live(e.ticket);
@@ -234,6 +255,7 @@ impl ClassQueue {
                         dropped_irregular += usize::from(e.irregular());
                         if live {
                             out.push(e.ticket);
+                            removed_live += 1;
                         }
                     }
                     !remove
@@ -246,44 +268,56 @@ impl ClassQueue {
                     }
                     if live {
                         out.push(e.ticket);
+                        removed_live += 1;
                     }
                     q.entries.pop_front();
                 }
             }
+            q.live -= removed_live;
         }
-        self.ring.retain(|q| !q.entries.is_empty());
+        self.ring.retain(|q| {
+            if q.live == 0 {
+                dropped_irregular += q.entries.iter().filter(|e| e.irregular()).count();
+            }
+            q.live > 0
+        });
         self.irregular -= dropped_irregular;
         self.live -= out.len();
         out
     }
 
-    /// Removes every live entry whose deadline has passed; returns their tickets.
-    /// In a regular queue deadlines grow along each tenant's FIFO, so heads suffice.
-    pub fn expire(&mut self, now: Millis, is_live: &impl Fn(Ticket) -> bool) -> Vec<Ticket> {
+    /// Removes every live entry that has waited `max_wait` or longer; returns their tickets.
+    pub fn expire(
+        &mut self,
+        now: Millis,
+        max_wait: Millis,
+        is_live: &impl Fn(Ticket) -> bool,
+    ) -> Vec<Ticket> {
         if self.live == 0 {
             return Vec::new();
         }
-        self.remove_where(is_live, |e| e.deadline <= now)
+        self.remove_where(is_live, |e| e.enqueued_at.saturating_add(max_wait) <= now)
     }
 
     /// Earliest deadline of a live entry (tombstones may make it early, never late).
-    pub fn next_deadline(&self) -> Option<Millis> {
+    pub fn next_deadline(&self, max_wait: Millis) -> Option<Millis> {
         if self.live == 0 {
             return None;
         }
-        if self.irregular > 0 {
-            return self
-                .ring
+        let oldest = if self.irregular > 0 {
+            self.ring
                 .iter()
                 .flat_map(|q| q.entries.iter())
-                .map(|e| e.deadline)
-                .min();
-        }
-        self.ring
-            .iter()
-            .filter_map(|q| q.entries.front())
-            .map(|e| e.deadline)
-            .min()
+                .map(|e| e.enqueued_at)
+                .min()
+        } else {
+            self.ring
+                .iter()
+                .filter_map(|q| q.entries.front())
+                .map(|e| e.enqueued_at)
+                .min()
+        };
+        oldest.map(|t| t.saturating_add(max_wait))
     }
 
     /// Removes every entry; returns the live tickets in arrival order.
@@ -307,7 +341,7 @@ mod tests {
     use super::*;
 
     fn e(ticket: Ticket, tenant: Tenant, excluded: u64) -> Entry {
-        Entry::new(ticket, tenant, ticket, ticket + 100, excluded)
+        Entry::new(ticket, tenant, ticket, excluded)
     }
 
     #[test]
@@ -323,6 +357,21 @@ mod tests {
             .collect();
         assert_eq!(order, vec![0, 10, 1, 11, 2, 3, 4, 5]);
         assert_eq!(q.live(), 0);
+    }
+
+    #[test]
+    fn a_tenant_that_cancelled_everything_rejoins_at_the_back() {
+        let mut q = ClassQueue::new(100);
+        q.push(e(1, 0, 0));
+        q.push(e(2, 1, 0));
+        q.push(e(3, 2, 0));
+        q.forget(1); // ticket 2 cancelled: tenant 1 leaves the ring
+        q.push(e(4, 1, 0));
+        let live = |t| t != 2;
+        let order: Vec<_> = (0..3)
+            .map(|_| q.pop_fitting(&live, |_| Some(0)).unwrap().0.ticket)
+            .collect();
+        assert_eq!(order, vec![1, 3, 4]);
     }
 
     #[test]
@@ -356,7 +405,7 @@ mod tests {
         q.push(e(1, 0, 0));
         q.push(e(2, 0, 0));
         assert!(!q.has_room());
-        q.forget_one(); // ticket 1 cancelled
+        q.forget(0); // ticket 1 cancelled
         assert!(q.has_room());
         let live = |t| t != 1;
         assert_eq!(q.pop_fitting(&live, |_| Some(0)).unwrap().0.ticket, 2);
@@ -364,13 +413,15 @@ mod tests {
     }
 
     #[test]
-    fn expiry_takes_overdue_heads() {
+    fn expiry_follows_the_current_bound() {
         let mut q = ClassQueue::new(10);
         q.push(e(1, 0, 0));
         q.push(e(2, 0, 0));
         q.push(e(3, 0, 0));
-        assert_eq!(q.expire(102, &|_| true), vec![1, 2]);
-        assert_eq!(q.next_deadline(), Some(103));
+        assert_eq!(q.expire(102, 100, &|_| true), vec![1, 2]);
+        assert_eq!(q.next_deadline(100), Some(103));
+        // a reload halves the bound: the next deadline moves up with it
+        assert_eq!(q.next_deadline(50), Some(53));
         assert_eq!(q.live(), 1);
     }
 }
