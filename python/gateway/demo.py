@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import bisect
 import contextlib
+import html
 import itertools
 import logging
 import math
@@ -830,39 +831,48 @@ class _Progress:
         if t - self.last < every:
             return
         self.last = t
-        line = self.line(snap, t)
         if self.tty:
+            # A line wider than the terminal would wrap, and `\r` would then rewrite only
+            # its last row: drop the least important parts until it fits.
             cols = shutil.get_terminal_size((120, 24)).columns - 1
-            line = line[:cols]
+            line = self.line(snap, t, cols)[:cols]
             self.out.write("\r" + line.ljust(self.width))
             self.width = len(line)
         else:
-            self.out.write(line + "\n")
+            self.out.write(self.line(snap, t) + "\n")
         self.out.flush()
 
-    def line(self, snap: Snapshot, t: float) -> str:
+    def line(self, snap: Snapshot, t: float, width: int = 1_000) -> str:
+        """`t  done/sent failed | wait p50/p99 per class | queued per pool | instances`."""
         samples = self.result.samples
         done = [s for s in samples if s.done is not None]
         failed = sum(1 for s in done if not s.ok)
-        parts = [f"{t:5.1f}s  sent {len(samples)} done {len(done)} failed {failed}"]
-        for cls in ("high", "low"):
-            waits = [s.queue_ms for s in done if s.job.priority == cls and s.queue_ms is not None]
-            parts.append(
-                f"{CLASS_NAME[cls]} wait p50 {fmt_ms(percentile(waits, 50))} "
-                f"p99 {fmt_ms(percentile(waits, 99))}"
-            )
-        queues = " ".join(
+        head = f"{t:5.1f}s done {len(done)}/{len(samples)} failed {failed}"
+        waits = "wait p50/p99"
+        for cls, short in (("high", "rt"), ("low", "batch")):
+            w = [s.queue_ms for s in done if s.job.priority == cls and s.queue_ms is not None]
+            waits += f" {short} {_compact(percentile(w, 50))}/{_compact(percentile(w, 99))}"
+        queues = "queued rt+batch " + " ".join(
             f"{name} {p.queued_high}+{p.queued_low}" for name, p in snap.pools.items()
         )
-        parts.append(f"queued (rt+batch) {queues}")
-        parts.append(
-            " ".join(
-                f"{i.name} {i.in_flight}/{i.max_concurrency}"
-                + ("" if i.state == "healthy" else f" {i.state.upper()}")
-                for i in snap.instances
-            )
+        instances = " ".join(
+            f"{i.name} {i.in_flight}/{i.max_concurrency}"
+            + ("" if i.state == "healthy" else f" {i.state.upper()}")
+            for i in snap.instances
         )
-        return " | ".join(parts)
+        unwell = " ".join(
+            f"{i.name} {i.state.upper()}" for i in snap.instances if i.state != "healthy"
+        )
+        states = unwell or "all instances healthy"
+        # From the richest to the leanest; a narrow terminal gets the first that fits.
+        variants = (
+            (head, waits, queues, instances),
+            (head, waits, instances),
+            (head, waits, states),
+            (head, states),
+        )
+        lines = [" | ".join(v) for v in variants]
+        return next((line for line in lines if len(line) <= width), lines[-1])
 
     def clear(self) -> None:
         if self.tty and self.width:
@@ -871,33 +881,46 @@ class _Progress:
             self.width = 0
 
 
+def _compact(ms: float) -> str:
+    return fmt_ms(ms).replace(" ", "")
+
+
 def _print_intro(
     out: TextIO, options: Options, script: Script, jobs: Sequence[Job], port: int, mode: str
 ) -> None:
     backlog = sum(1 for j in jobs if j.origin == "backlog")
-    print(
-        f"gateway {__version__} demo: gateway on http://127.0.0.1:{port} "
-        f"(GET /admin/state, /dashboard while it runs)\n"
-        f"  pools: light = {', '.join(n for n, _ in LIGHT)} · heavy = "
-        f"{', '.join(n for n, _ in HEAVY)} (fallback light) · policy {options.policy} · "
-        f"balancer {options.balancer}\n"
-        f"  workload: {len(jobs)} requests over {options.duration:g} s — {backlog} batch "
-        f"queued at the start, a live stream at {options.rate:g}/s, an exam surge at "
-        f"{script.surge[0]:.0f}–{script.surge[1]:.0f} s; {CRASHED} crashes at "
-        f"{script.crash_at:.0f} s and restarts at {script.recover_at:.0f} s\n"
-        f"  complexity: {_mode_text(mode)}",
-        file=out,
-        flush=True,
-    )
+    policy = "weighted 7:3" if options.policy == "weighted" else "strict"
+    light = ", ".join(n for n, _ in LIGHT)
+    heavy = ", ".join(n for n, _ in HEAVY)
+    a, b = script.surge
+    lines = [
+        f"gateway {__version__} demo — backends, gateway and clients all in this process",
+        f"  gateway   http://127.0.0.1:{port}  (GET /admin/state or open /dashboard meanwhile)",
+        f"  pools     light: {light} ({LIGHT_SLOTS} slots each, ~80 ms)",
+        f"            heavy: {heavy} ({HEAVY_SLOTS} slots each, ~600 ms heavy-tailed),"
+        " fallback light",
+        f"  policy    {policy} · balancer {options.balancer} · seed {options.seed}",
+        f"  workload  {len(jobs)} requests in {options.duration:g} s: {backlog} batch queued at "
+        f"once, a live stream at {options.rate:g}/s",
+        f"            ({REALTIME_SHARE:.0%} realtime), an exam-deadline surge at {a:.3g}–{b:.3g} s",
+        f"  failure   {CRASHED} crashes at {script.crash_at:.3g} s, restarts at "
+        f"{script.recover_at:.3g} s",
+        f"  routing   complexity {_mode_text(mode)}",
+    ]
+    if options.progress:
+        lines.append(
+            "  progress  wait = queue wait p50/p99 per class · queued = realtime+batch per pool"
+            " · in flight/slots per instance"
+        )
+    print("\n".join(lines), file=out, flush=True)
 
 
 def _mode_text(mode: str) -> str:
     if mode == "classifier":
         return "decided by the gateway's auto classifier from each prompt"
     return (
-        "sent as X-Complexity on `judge` requests\n"
-        "    (the auto classifier is not wired in yet: `auto` would answer "
-        "routing.default_complexity)"
+        "sent as X-Complexity on `judge` requests (the auto\n"
+        "            classifier is not wired in yet: `auto` answers routing.default_complexity)"
     )
 
 
@@ -952,27 +975,68 @@ def both_waiting(snapshots: Sequence[Snapshot], pool: str) -> list[Span]:
     return spans
 
 
-def contended_grants(samples: Sequence[Sample], pool: str) -> tuple[int, int]:
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """One request's stay in a pool's queue, in seconds from the start; `end` is its grant."""
+
+    pool: str
+    cls: str  # the class it waited in
+    start: float
+    end: float
+
+
+# A request dispatched at once still spends a few microseconds in `acquire`.
+_QUEUED_MS: Final = 0.2
+
+
+def queue_waits(result: DemoResult) -> list[Wait]:
+    """Every queued request's wait, from the gateway's access log.
+
+    The log line is written when a request ends, with `total_ms` since it arrived and
+    `queue_ms` spent queued; queueing starts as soon as it is parsed and routed, so its wait
+    is [end − total, end − total + queue] to well under a millisecond. The client's clock
+    would do worse: it starts before the request has even reached the gateway, and under
+    load that is milliseconds. Requests tried more than once (their waits summed) are left
+    out. Without usable access lines the client's view stands in.
+    """
+    cap = result.capture
+    entries = list(cap.access.values()) if cap is not None else []
+    out: list[Wait] = []
+    if entries and all("total_ms" in f and "queue_ms" in f and "t" in f for f in entries):
+        for f in entries:
+            queue_ms = float(f["queue_ms"] or 0.0)
+            cls, pool = f.get("priority"), f.get("pool")
+            if queue_ms < _QUEUED_MS or f.get("attempts") != 1 or cls not in CLASS_NAME:
+                continue
+            start = float(f["t"]) - float(f["total_ms"]) / 1000
+            out.append(Wait(str(pool), str(cls), start, start + queue_ms / 1000))
+        return out
+    for x in result.samples:
+        if x.pool is None or x.queue_ms is None or x.queue_ms < _QUEUED_MS:
+            continue
+        cls = x.waited_as if x.waited_as in CLASS_NAME else x.job.priority
+        out.append(Wait(x.pool, cls, x.sent, x.sent + x.queue_ms / 1000))
+    return out
+
+
+def contended_grants(waits: Sequence[Wait], pool: str) -> tuple[int, int]:
     """(high, low) grants in `pool` made while a request of the other class was waiting.
 
     Only there does the policy choose (SPEC §3 "Selection"), so only there should the split
-    be 7:3. Each queued request waited from when it was sent until `X-Gateway-Queue-Ms`
-    later, when it was granted; a grant is contended when that moment falls inside another
-    class's wait. Per grant and exact to a millisecond or two, where sampling the state's
-    counters every 200 ms would blur the moments one queue ran empty.
+    be 7:3. A grant is contended when its moment falls inside another class's wait. Counted
+    per grant, where sampling the state's counters every 200 ms would blur the moments one
+    queue ran empty.
     """
-    margin = 0.002
-    waits: dict[str, list[tuple[float, float]]] = {"high": [], "low": []}
-    for s in samples:
-        if s.pool != pool or s.queue_ms is None or s.queue_ms < 1.0:
-            continue  # dispatched at once: nothing of the pool was waiting (SPEC §2.4)
-        cls = s.waited_as if s.waited_as in waits else s.job.priority
-        waits[cls].append((s.sent, s.sent + s.queue_ms / 1000))
-    unions = {cls: _union(iv) for cls, iv in waits.items()}
+    margin = 0.001
+    by_class: dict[str, list[tuple[float, float]]] = {"high": [], "low": []}
+    for w in waits:
+        if w.pool == pool and w.cls in by_class:
+            by_class[w.cls].append((w.start, w.end))
+    unions = {cls: _union(iv) for cls, iv in by_class.items()}
     counts = {"high": 0, "low": 0}
     for cls, other in (("high", "low"), ("low", "high")):
         starts, ends = unions[other]
-        for _, granted in waits[cls]:
+        for _, granted in by_class[cls]:
             i = bisect.bisect_right(starts, granted - margin) - 1
             if i >= 0 and ends[i] > granted + margin:
                 counts[cls] += 1
@@ -1033,7 +1097,10 @@ def _timeline(result: DemoResult) -> list[tuple[float, str]]:
             entries.append((t, f"{inst.name} ejected ({why}); ejection #{inst.ejections or 1}"))
         elif inst.state == "half_open":
             entries.append(
-                (t, f"{inst.name} half-open: ejection time over and its probe passes; one trial")
+                (
+                    t,
+                    f"{inst.name} half-open: ejection over, a probe passed; trials one at a time",
+                )
             )
         else:
             entries.append((t, f"{inst.name} healthy again (trial requests succeeded)"))
@@ -1047,8 +1114,8 @@ def _timeline(result: DemoResult) -> list[tuple[float, str]]:
             entries.append(
                 (
                     first,
-                    f"{len(retried)} request(s) failed before any byte reached the client and "
-                    f"were retried on another instance ({ok} answered; answers until {last:.1f} s)",
+                    f"{len(retried)} request(s) failed before any byte reached the client:\n"
+                    f"retried on another instance, {ok} answered (the last at {last:.1f} s)",
                 )
             )
         fails = [t for t, name in cap.probe_failures if name == CRASHED]
@@ -1056,12 +1123,22 @@ def _timeline(result: DemoResult) -> list[tuple[float, str]]:
             entries.append(
                 (
                     fails[0],
-                    f"{CRASHED} probe failed ({len(fails)} failed probes until "
-                    f"{fails[-1]:.1f} s; a failed probe counts as a failure)",
+                    f"{CRASHED} probes fail ({len(fails)} until {fails[-1]:.1f} s; "
+                    "each counts as a failure)",
                 )
             )
     entries.sort(key=lambda e: e[0])
     return entries
+
+
+def _story_lines(story: Sequence[tuple[float, str]]) -> list[str]:
+    """`  12.3 s  what happened`, continuation lines indented under the text."""
+    out = []
+    for t, what in story:
+        first, *more = what.split("\n")
+        out.append(f"  {t:6.1f} s  {first}")
+        out.extend(" " * 12 + line for line in more)
+    return out
 
 
 def _retried(result: DemoResult) -> tuple[int, int]:
@@ -1078,8 +1155,9 @@ def _retried(result: DemoResult) -> tuple[int, int]:
 
 
 def _class_row(label: str, samples: Sequence[Sample], cls: str) -> str:
-    """count, ok, failed, p50/p99 queue wait, p50/p99 end-to-end latency."""
-    finished = [x for x in samples if x.done is not None or x.error]
+    """count, ok, failed, p50/p99 queue wait, p50/p99 end-to-end latency. Requests the demo
+    itself cancelled (stopped early) are neither ok nor failed."""
+    finished = [x for x in samples if x.error != "cancelled" and (x.done is not None or x.error)]
     ok = [x for x in samples if x.ok]
     waits = _waits(samples, cls)
     e2e = [x.e2e_ms for x in ok if x.e2e_ms is not None]
@@ -1095,10 +1173,13 @@ def summarize(result: DemoResult) -> str:
     o, s = result.options, result.samples
     lines: list[str] = []
     add = lines.append
-    early = " (stopped early)" if result.stopped_early else ""
+    span = f"{o.duration:g} s"
+    if result.stopped_early:
+        last_sent = max((x.sent for x in s), default=0.0)
+        span = f"stopped early after {last_sent:.0f} of {o.duration:g} s"
     add(
-        f"gateway demo{early}: {o.duration:g} s of judge traffic at {o.rate:g}/s · policy "
-        f"{o.policy} · balancer {o.balancer} · seed {o.seed} · {result.wall_s:.0f} s wall"
+        f"gateway demo: {span} of judge traffic at {o.rate:g}/s · policy {o.policy} · "
+        f"balancer {o.balancer} · seed {o.seed} · {result.wall_s:.0f} s wall"
     )
     add("")
     add(
@@ -1110,9 +1191,12 @@ def summarize(result: DemoResult) -> str:
         add(_class_row(f"{CLASS_NAME[cls]} ({cls})", mine, cls))
         for pool in _pool_names(result):
             add(_class_row(f"  in {pool}", [x for x in mine if x.pool == pool], cls))
-    failures = Counter(x.error for x in s if x.error is not None)
+    failures = Counter(x.error for x in s if x.error not in (None, "cancelled"))
     if failures:
         add("  failures: " + ", ".join(f"{n} {why}" for why, n in failures.most_common()))
+    cancelled = sum(1 for x in s if x.error == "cancelled")
+    if cancelled:
+        add(f"  cancelled: {cancelled} (the demo stopped before they were answered)")
     add("")
     last = result.snapshots[-1] if result.snapshots else None
     add(f"{'pool / instance':<18}{'served':>8}{'ejections':>11}{'peak':>7}{'busy':>7}")
@@ -1134,14 +1218,15 @@ def summarize(result: DemoResult) -> str:
     add(f"  retried on another instance: {retried} request(s), {retried_ok} of them answered")
     add("")
     add("scheduling — grants made while both classes waited (the policy's choice):")
+    waits = queue_waits(result)
     for pool in _pool_names(result):
-        high, low = contended_grants(s, pool)
+        high, low = contended_grants(waits, pool)
         total = high + low
         forced = last.pools[pool].forced_low if last and pool in last.pools else 0
         if total:
             add(
-                f"  {pool:<6} high {high / total:4.0%} : low {low / total:4.0%}  of {total:>4} "
-                f"contended grants · forced low grants (starvation guard) {forced}"
+                f"  {pool:<6} high {high:>4} : low {low:>4} = {high / total:4.0%} : "
+                f"{low / total:4.0%} · forced low grants (starvation guard) {forced}"
             )
         else:
             add(f"  {pool:<6} the two classes never waited at once · forced low grants {forced}")
@@ -1166,11 +1251,17 @@ def summarize(result: DemoResult) -> str:
     rules = Counter((x.decided or "").split(";", 1)[-1].strip() for x in s if x.decided)
     if rules:
         add("  decided by: " + ", ".join(f"{r} ×{n}" for r, n in rules.most_common()))
+    if result.classifier == "classifier":
+        auto = [x for x in s if x.job.alias == "judge" and x.decided]
+        agree = sum(1 for x in auto if (x.decided or "").split(";", 1)[0] == x.job.complexity)
+        add(f"  the classifier agreed with the prompt's real complexity on {agree}/{len(auto)}")
     add("")
     add(f"crash timeline ({CRASHED}):")
-    for t, what in _timeline(result):
-        add(f"  {t:6.1f} s  {what}")
-    hit = [x for x in s if x.instance == CRASHED and x.error is not None]
+    story = _timeline(result)
+    lines.extend(_story_lines(story))
+    if not story:
+        add("  (the run ended before the crash)")
+    hit = [x for x in s if x.instance == CRASHED and x.error not in (None, "cancelled")]
     if hit:
         why = Counter(x.error for x in hit)
         add(
@@ -1221,6 +1312,7 @@ def render_report(result: DemoResult) -> str:
     markers = _markers(result)
     surge = _surge_span(result)
     wait_groups = []
+    heavy_only = []
     for cls in ("high", "low"):
         waits = _waits(s, cls)
         at_once = sum(1 for w in waits if w < 1.0) / len(waits) if waits else 0.0
@@ -1232,17 +1324,24 @@ def render_report(result: DemoResult) -> str:
                 CLASS_COLOR[cls],
             )
         )
+    for cls in ("high", "low"):
+        # The heavy pool alone: its few slots (and the crash) make its tail.
+        waits = _waits(s, cls, "heavy")
+        label = f"{CLASS_NAME[cls]} in pool heavy only, p99 {fmt_ms(percentile(waits, 99))}"
+        wait_groups.append((label, waits, CLASS_COLOR[cls]))
+        heavy_only.append(label)
     cdf = cdf_chart(
         "Queue wait per class (CDF, X-Gateway-Queue-Ms)",
         wait_groups,
         x_label="time spent queued in the gateway (log scale)",
+        dashed=heavy_only,
     )
     scheduling: list[tuple[str, str]] = []
     queues: list[tuple[str, str]] = []
     balancing: list[tuple[str, str]] = []
     for pool in _pool_names(result):
         starts, high, low, forced = grant_buckets(result.snapshots, pool)
-        h, lo = contended_grants(s, pool)
+        h, lo = contended_grants(queue_waits(result), pool)
         spans = both_waiting(result.snapshots, pool)
         share = f"{h / (h + lo):.0%} : {lo / (h + lo):.0%}" if h + lo else "n/a"
         scheduling.append(
@@ -1253,7 +1352,11 @@ def render_report(result: DemoResult) -> str:
                     [
                         Bars("realtime (high)", high, CLASS_COLOR["high"]),
                         Bars("batch (low)", low, CLASS_COLOR["low"]),
-                        Bars("batch forced by the starvation guard", forced, CLASS_COLOR["forced"]),
+                        Bars(
+                            f"batch forced by the starvation guard ({sum(forced):.0f})",
+                            forced,
+                            CLASS_COLOR["forced"],
+                        ),
                     ],
                     x_label="seconds since start",
                     y_label="slots granted per second",
@@ -1318,6 +1421,7 @@ def render_report(result: DemoResult) -> str:
                     y_label="requests in flight",
                     x_range=x_range,
                     y_range=(0, cap + 0.5),
+                    y_ticks=range(cap + 1),
                     x_fmt=fmt_seconds,
                     markers=markers if pool == "heavy" else [],
                     height=240,
@@ -1346,7 +1450,7 @@ def render_report(result: DemoResult) -> str:
         x_fmt=fmt_seconds,
         markers=markers,
     )
-    story = "\n".join(f"{t:6.1f} s  {what}" for t, what in _timeline(result))
+    story = "\n".join(_story_lines(_timeline(result))) or "(the run ended before the crash)"
     groups = []
     for pool in _pool_names(result):
         vals = [x.service_ms for x in s if x.ok and x.pool == pool and x.service_ms is not None]
@@ -1382,7 +1486,14 @@ def render_report(result: DemoResult) -> str:
         ("Balancing across instances", balancing),
         (
             "Health: the crash and the recovery",
-            [(timeline_svg, "Green: healthy · yellow: half-open (trial requests) · red: ejected.")],
+            [
+                (
+                    timeline_svg,
+                    "Green: healthy · yellow: half-open (trial requests) · red: ejected. "
+                    "What happened, in order:",
+                ),
+                (f'<pre class="story">{html.escape(story)}</pre>', ""),
+            ],
         ),
         (
             "Latency by pool",
@@ -1401,7 +1512,6 @@ def render_report(result: DemoResult) -> str:
         intro,
         sections,
         appendix=[
-            ("Crash timeline", story or "(no crash happened in this run)"),
             ("Summary", result.summary),
             ("Configuration used", result.config_text),
         ],
@@ -1424,6 +1534,10 @@ def _cdf_caption() -> str:
 def run(args: argparse.Namespace) -> int:
     """`gateway demo`: returns 0 when the demo ran and the report was written."""
     options = options_from_args(args)
+    if not Path(options.report).resolve().parent.is_dir():
+        # Say so now, not after a minute of demo.
+        print(f"gateway demo: no directory for the report {options.report!r}", file=sys.stderr)
+        return 2
 
     async def go() -> DemoResult:
         stop = asyncio.Event()

@@ -215,6 +215,10 @@ pub struct Pool {
     events: Vec<Event>,
     /// Instance state changes since the caller last asked, for lifecycle logs.
     transitions: Vec<(usize, InstanceState)>,
+    /// `advance` has nothing to do before this time (the earliest ejection end).
+    scan_at: Millis,
+    /// Cached `available_mask`; `None` after any state change.
+    up_mask: Option<u64>,
     drain: DrainMeter,
     stats: PoolStats,
 }
@@ -233,6 +237,8 @@ impl Pool {
             tickets: TicketMap::default(),
             events: Vec::new(),
             transitions: Vec::new(),
+            scan_at: 0,
+            up_mask: None,
             drain: DrainMeter::default(),
             stats: PoolStats::default(),
             cfg,
@@ -252,6 +258,7 @@ impl Pool {
         }
         self.balancer.kind = cfg.balancer;
         self.cfg = cfg;
+        self.invalidate();
         Ok(())
     }
 
@@ -279,6 +286,7 @@ impl Pool {
             .position(|i| i.removed && i.in_flight == 0)
         {
             self.instances[idx] = fresh;
+            self.invalidate();
             return Ok(idx);
         }
         if self.instances.len() >= MAX_INSTANCES {
@@ -287,6 +295,7 @@ impl Pool {
             )));
         }
         self.instances.push(fresh);
+        self.invalidate();
         Ok(self.instances.len() - 1)
     }
 
@@ -305,6 +314,7 @@ impl Pool {
     /// Stops giving an instance new attempts; those in flight finish and release as usual.
     pub fn remove_instance(&mut self, idx: usize) -> Result<(), CoreError> {
         self.instance_mut(idx)?.removed = true;
+        self.invalidate();
         Ok(())
     }
 
@@ -427,12 +437,13 @@ impl Pool {
         let before = inst.breaker.state();
         inst.breaker
             .on_outcome(&self.cfg.health, outcome, epoch, trial, now);
+        if retry_after_ms > 0 {
+            inst.breaker.cool(now.saturating_add(retry_after_ms));
+        }
         let after = inst.breaker.state();
         if after != before {
             self.transitions.push((instance as usize, after));
-        }
-        if retry_after_ms > 0 {
-            inst.breaker.cool(now.saturating_add(retry_after_ms));
+            self.invalidate();
         }
         self.pump(now);
         Ok(self.take_events())
@@ -457,6 +468,7 @@ impl Pool {
         if breaker.state() != before {
             let after = breaker.state();
             self.transitions.push((idx, after));
+            self.invalidate();
         }
         self.pump(now);
         Ok(self.take_events())
@@ -639,15 +651,33 @@ impl Pool {
         )
     }
 
+    /// Applies time-driven transitions (ejected → half-open). Skipped until the earliest
+    /// ejection can end: most operations on a busy pool then cost no walk over instances.
     fn advance(&mut self, now: Millis) {
+        if now < self.scan_at {
+            return;
+        }
         let cfg = &self.cfg.health;
+        let mut next = Millis::MAX;
         for (idx, inst) in self.instances.iter_mut().enumerate() {
             let before = inst.breaker.state();
             inst.breaker.advance(cfg, now);
-            if inst.breaker.state() != before {
-                self.transitions.push((idx, inst.breaker.state()));
+            let after = inst.breaker.state();
+            if after != before {
+                self.transitions.push((idx, after));
+                self.up_mask = None;
+            }
+            if let Some(until) = inst.breaker.ejected_until() {
+                next = next.min(until);
             }
         }
+        self.scan_at = next;
+    }
+
+    /// Something about the instances changed: cached views must be rebuilt.
+    fn invalidate(&mut self) {
+        self.scan_at = 0;
+        self.up_mask = None;
     }
 
     /// Instance state changes (index, new state) since the last call, oldest first.
@@ -659,16 +689,23 @@ impl Pool {
         !self.transitions.is_empty()
     }
 
-    /// Bit set of instances that are up (not removed, not ejected).
-    fn available_mask(&self) -> u64 {
-        self.instances
+    /// Bit set of instances that are up (not removed, not ejected), cached until a state
+    /// changes.
+    fn available_mask(&mut self) -> u64 {
+        if let Some(mask) = self.up_mask {
+            return mask;
+        }
+        let mask = self
+            .instances
             .iter()
             .enumerate()
             .filter(|(_, i)| !i.removed && i.breaker.available())
-            .fold(0, |m, (k, _)| m | (1 << k))
+            .fold(0, |m, (k, _)| m | (1 << k));
+        self.up_mask = Some(mask);
+        mask
     }
 
-    fn any_available(&self, excluded: u64) -> bool {
+    fn any_available(&mut self, excluded: u64) -> bool {
         self.available_mask() & !excluded != 0
     }
 
