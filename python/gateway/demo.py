@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, TextIO
+from urllib.parse import unquote
 
 import aiohttp
 import orjson
@@ -44,7 +45,7 @@ from aiohttp import web
 
 from gateway import __version__
 from gateway.app import Gateway
-from gateway.config import Config, parse_config
+from gateway.config import parse_config
 from gateway.health import Prober
 from gateway.mock import MockBehavior, MockServer
 from gateway.report import (
@@ -580,7 +581,7 @@ async def main(
         port = int(runner.addresses[0][1])
         prober = Prober(gateway.runtime)
         prober.start()
-        mode = "classifier" if _classifier_wired(gateway, config) else "header"
+        mode = "classifier" if _classifier_wired(gateway) else "header"
         result = DemoResult(options, script, text, mode)
         _print_intro(out, options, script, jobs, port, mode)
         await _drive(result, gateway, f"http://127.0.0.1:{port}", jobs, crashed, out, stop)
@@ -616,7 +617,7 @@ def _behavior(model: str, shape: dict[str, Any], seed: int) -> MockBehavior:
     return MockBehavior(model=model, seed=seed, log_size=0, **shape)
 
 
-def _classifier_wired(gateway: Gateway, config: Config) -> bool:
+def _classifier_wired(gateway: Gateway) -> bool:
     """True when `route: auto` classifies our complex prompts by content.
 
     Until the classifier lands, `auto` answers `routing.default_complexity` for everything
@@ -762,7 +763,9 @@ async def _send(
             sample.pool = h.get("X-Gateway-Pool")
             sample.instance = h.get("X-Gateway-Instance")
             sample.waited_as = h.get("X-Gateway-Priority")
-            sample.decided = h.get("X-Gateway-Complexity")
+            decided = h.get("X-Gateway-Complexity")
+            # A rule naming a Chinese keyword arrives percent-encoded (headers are latin-1).
+            sample.decided = None if decided is None else unquote(decided)
             queue_ms = h.get("X-Gateway-Queue-Ms")
             if queue_ms is not None:
                 with contextlib.suppress(ValueError):
@@ -1286,6 +1289,8 @@ def _markers(result: DemoResult) -> list[Marker]:
             out.append(Marker(e.t, f"{CRASHED} crashes", "#D55E00"))
         elif "restarted" in e.what:
             out.append(Marker(e.t, f"{CRASHED} restarts", "#009E73"))
+        elif e.what.startswith("workload sent"):
+            out.append(Marker(e.t, "arrivals end", "#777"))
     return out
 
 
@@ -1310,6 +1315,8 @@ def render_report(result: DemoResult) -> str:
     s = result.samples
     x_range = (0.0, max(result.end, 1.0))
     markers = _markers(result)
+    # The crash concerns pool heavy; light's charts mark only when arrivals end.
+    ends = [m for m in markers if m.label == "arrivals end"]
     surge = _surge_span(result)
     wait_groups = []
     heavy_only = []
@@ -1363,7 +1370,7 @@ def render_report(result: DemoResult) -> str:
                     x_range=x_range,
                     x_fmt=fmt_seconds,
                     spans=spans,
-                    markers=markers if pool == "heavy" else [],
+                    markers=markers if pool == "heavy" else ends,
                 ),
                 f"Each bar is one second of slot grants in pool {pool}. Shaded: both queues were "
                 f"waiting, so the scheduler had to choose — there the split is {share} "
@@ -1384,7 +1391,7 @@ def render_report(result: DemoResult) -> str:
                     x_range=x_range,
                     x_fmt=fmt_seconds,
                     spans=[surge],
-                    markers=markers if pool == "heavy" else [],
+                    markers=markers if pool == "heavy" else ends,
                     height=240,
                 ),
                 f"Requests waiting in pool {pool}'s dual queue, sampled every 200 ms from "
@@ -1423,7 +1430,7 @@ def render_report(result: DemoResult) -> str:
                     y_range=(0, cap + 0.5),
                     y_ticks=range(cap + 1),
                     x_fmt=fmt_seconds,
-                    markers=markers if pool == "heavy" else [],
+                    markers=markers if pool == "heavy" else ends,
                     height=240,
                 ),
                 "Slots in use on each instance; never above max_concurrency (dashed). "
