@@ -158,3 +158,41 @@ async def test_upstream_redirect_is_not_followed(
         assert (await resp.json())["error"]["code"] == "upstream_error"
     assert target.stats.requests_total == 0
     await gw.assert_quiet()
+
+
+async def test_auto_alias_routes_by_complexity(
+    mocks: MockFactory, gateway_factory: GatewayFactory
+) -> None:
+    light, heavy = await mocks(), await mocks()
+    config = {
+        "pools": {"light": pool_config(light), "heavy": pool_config(heavy)},
+        "models": {"judge": {"route": "auto"}},
+        "routing": {"complexity": {"simple": "light", "complex": "heavy"}},
+    }
+    gw = await gateway_factory(config)
+    cases = [
+        ("Does this compile? int main(){return 0;}", "light", "simple; keyword=does this compile"),
+        (
+            "What is the worst-case time complexity of quicksort?",
+            "heavy",
+            "complex; keyword=worst-case",
+        ),
+        (
+            "这段代码的时间复杂度是多少？",
+            "heavy",
+            "complex; keyword=%E6%97%B6%E9%97%B4%E5%A4%8D%E6%9D%82%E5%BA%A6",
+        ),
+        ("hello", "light", "simple; default"),
+    ]
+    for prompt, pool, header in cases:
+        async with await gw.post("/v1/chat/completions", chat(prompt, model="judge")) as resp:
+            assert resp.status == 200
+            assert resp.headers["X-Gateway-Pool"] == pool, prompt
+            assert resp.headers["X-Gateway-Complexity"] == header
+    # the header overrides the classifier
+    async with await gw.post(
+        "/v1/chat/completions", chat("hello", model="judge"), headers={"X-Complexity": "complex"}
+    ) as resp:
+        assert resp.headers["X-Gateway-Pool"] == "heavy"
+        assert resp.headers["X-Gateway-Complexity"] == "complex; header"
+    await gw.assert_quiet()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway._core import Priority
+from gateway.classify import ComplexityClassifier, header_value
 from gateway.config import Config
 from gateway.responses import HttpError
 
@@ -38,7 +39,8 @@ class Decision:
 
     @property
     def complexity_header(self) -> str:
-        return f"{self.complexity}; {self.complexity_rule}"
+        # Percent-encoded beyond printable ASCII: header values are latin-1 on the wire.
+        return header_value(self.complexity, self.complexity_rule)
 
 
 class Router:
@@ -54,6 +56,7 @@ class Router:
             self._pool_complexity.setdefault(cx.simple, "simple")
         if cx.complex:
             self._pool_complexity.setdefault(cx.complex, "complex")
+        self.classifier = ComplexityClassifier.from_config(config)
 
     def aliases(self) -> list[str]:
         return sorted(self.config.models)
@@ -90,9 +93,8 @@ class Router:
             complexity = self._pool_complexity.get(spec.pool, "simple")
             rule = f"alias={alias}"
         else:
-            # The `auto` classifier lands separately; until then the configured default.
-            complexity = self.config.routing.default_complexity
-            rule = "default"
+            # SPEC §4: "the classifier for auto aliases — explainable rules".
+            complexity, rule = self.classifier.classify(body)
         if spec.pool is not None:
             pool = spec.pool
         else:
