@@ -154,6 +154,7 @@ class Gateway:
         self._active: set[asyncio.Task[Any]] = set()
         # Set by the last request to finish once draining started.
         self._idle: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._boot = os.urandom(4).hex()
         self._routes: dict[tuple[str, str], Handler] = {
             ("GET", "/livez"): self.livez,
@@ -386,9 +387,12 @@ class Gateway:
     async def proxy(self, request: web.BaseRequest, endpoint: Endpoint) -> web.StreamResponse:
         runtime = self.runtime
         ticket = runtime.next_ticket()
-        ex = Exchange(self._request_id(request, ticket), time.monotonic(), Watchdog())
-        task = asyncio.current_task()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task(loop)
         assert task is not None
+        ex = Exchange(self._request_id(request, ticket), time.monotonic(), Watchdog(loop, task))
         self._active.add(task)
         try:
             if self.draining:
@@ -621,7 +625,7 @@ class Gateway:
         cool_ms = 0
         resp_up: aiohttp.ClientResponse | None = None
         watchdog = ex.watchdog
-        loop = asyncio.get_running_loop()
+        loop = watchdog.loop
         t0 = loop.time()
         deadline = t0 + timeouts.total_ms / 1000
         ex.ttfb = None
@@ -717,7 +721,7 @@ class Gateway:
         except AttemptError as err:
             return err, Outcome.FAILURE
         # For a stream, the first byte a user feels is the first chunk, not the head.
-        ex.ttfb = asyncio.get_running_loop().time() - started
+        ex.ttfb = watchdog.loop.time() - started
         if not first:
             return AttemptError(
                 f"{upstream.name} closed the stream before any data"
@@ -833,7 +837,7 @@ async def _read_chunk(
     content: aiohttp.StreamReader, watchdog: Watchdog, idle: float, deadline: float
 ) -> bytes:
     """The next piece of a stream, within the idle timeout and the attempt's total deadline."""
-    watchdog.arm(min(asyncio.get_running_loop().time() + idle, deadline))
+    watchdog.arm(min(watchdog.loop.time() + idle, deadline))
     try:
         return await content.readany()
     except asyncio.CancelledError:

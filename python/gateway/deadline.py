@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import Any
 
 __all__ = ["Watchdog"]
 
 
 class Watchdog:
-    __slots__ = ("_handle", "_loop", "_task", "deadline", "expired")
+    __slots__ = ("_handle", "_task", "deadline", "expired", "loop")
 
-    def __init__(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        assert task is not None, "a Watchdog guards a task"
+    def __init__(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]) -> None:
+        # Both are passed in: asyncio.get_running_loop() costs a getpid() syscall on 3.11.
+        self.loop = loop
         self._task = task
         self._handle: asyncio.TimerHandle | None = None
         self.deadline = math.inf
@@ -36,10 +36,10 @@ class Watchdog:
         if handle is None or handle.when() > deadline:
             if handle is not None:
                 handle.cancel()
-            self._handle = self._loop.call_at(deadline, self._fire)
+            self._handle = self.loop.call_at(deadline, self._fire)
 
     def arm_in(self, seconds: float) -> None:
-        self.arm(self._loop.time() + seconds)
+        self.arm(self.loop.time() + seconds)
 
     def disarm(self) -> None:
         self.deadline = math.inf
@@ -51,8 +51,8 @@ class Watchdog:
         self._handle = None
         if math.isinf(self.deadline):
             return
-        if self._loop.time() < self.deadline:
-            self._handle = self._loop.call_at(self.deadline, self._fire)
+        if self.loop.time() < self.deadline:
+            self._handle = self.loop.call_at(self.deadline, self._fire)
             return
         self.expired = True
         self._task.cancel()

@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
+import msgspec
 import orjson
 
 from gateway.config import InstanceSpec, Timeouts
@@ -70,6 +71,27 @@ def parse_retry_after_ms(headers: Any) -> int:
     return max(0, int((when.timestamp() - time.time()) * 1000))
 
 
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    total_tokens: int | None = None
+
+
+class _Outline(msgspec.Struct):
+    """The few fields of a response body the gateway reads; the rest is skipped unparsed."""
+
+    usage: _Usage | None = None
+    error_code: int | str | None = None
+    error_msg: str | None = None
+    error: Any = None
+    # Present or not is all that matters: kept raw, never turned into Python objects.
+    choices: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    data: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+
+
+_outline = msgspec.json.Decoder(_Outline)
+
+
 def inspect_body(body: bytes) -> tuple[str | None, dict[str, Any] | None]:
     """One parse of a complete upstream JSON body: the error it reports inside an HTTP 200,
     if any, and its `usage`.
@@ -78,17 +100,14 @@ def inspect_body(body: bytes) -> tuple[str | None, dict[str, Any] | None]:
     as 200 with `{"error_code": 336501}`) is treated as that error, not as success."
     """
     try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
+        out = _outline.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
         return None, None
-    if not isinstance(data, dict):
-        return None, None
-    usage = data.get("usage")
-    usage = usage if isinstance(usage, dict) else None
-    if data.get("error_code"):
-        return f"error_code {data['error_code']}: {data.get('error_msg', '')}"[:300], usage
-    err = data.get("error")
-    if err and "choices" not in data and "data" not in data:
+    usage = msgspec.structs.asdict(out.usage) if out.usage is not None else None
+    if out.error_code:
+        return f"error_code {out.error_code}: {out.error_msg or ''}"[:300], usage
+    err = out.error
+    if err and out.choices is msgspec.UNSET and out.data is msgspec.UNSET:
         msg = err.get("message", "") if isinstance(err, dict) else str(err)
         return f"upstream error: {msg}"[:300], usage
     return None, usage
