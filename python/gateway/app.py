@@ -19,7 +19,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -31,6 +30,7 @@ from gateway.config import Config, load_config
 from gateway.dashboard import render as render_dashboard
 from gateway.deadline import Watchdog
 from gateway.errors import ConfigError, NoHealthyInstance, QueueFull, retry_after_ms
+from gateway.http1 import Response
 from gateway.limits import RateLimited, estimate_tokens
 from gateway.messages import ENDPOINTS, Endpoint, parse_request
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -623,7 +623,7 @@ class Gateway:
         timeouts = self.runtime.config.timeouts
         outcome = Outcome.NEUTRAL
         cool_ms = 0
-        resp_up: aiohttp.ClientResponse | None = None
+        resp_up: Response | None = None
         watchdog = ex.watchdog
         loop = watchdog.loop
         t0 = loop.time()
@@ -706,7 +706,7 @@ class Gateway:
         self,
         request: web.BaseRequest,
         ex: Exchange,
-        resp_up: aiohttp.ClientResponse,
+        resp_up: Response,
         upstream: Upstream,
         watchdog: Watchdog,
         started: float,
@@ -821,7 +821,7 @@ def _now_ms() -> int:
     return time.monotonic_ns() // 1_000_000
 
 
-async def _read_all(resp: aiohttp.ClientResponse, watchdog: Watchdog) -> bytes:
+async def _read_all(resp: Response, watchdog: Watchdog) -> bytes:
     """The whole upstream body, within the deadline the watchdog holds."""
     try:
         return await resp.read()
@@ -829,13 +829,11 @@ async def _read_all(resp: aiohttp.ClientResponse, watchdog: Watchdog) -> bytes:
         if watchdog.absorb():
             raise AttemptError("upstream body did not arrive in time", timeout=True) from None
         raise
-    except (aiohttp.ClientError, OSError) as exc:
-        raise AttemptError(f"upstream connection failed ({type(exc).__name__})") from None
+    except OSError as exc:
+        raise AttemptError(f"upstream connection failed ({exc})") from None
 
 
-async def _read_chunk(
-    content: aiohttp.StreamReader, watchdog: Watchdog, idle: float, deadline: float
-) -> bytes:
+async def _read_chunk(content: Response, watchdog: Watchdog, idle: float, deadline: float) -> bytes:
     """The next piece of a stream, within the idle timeout and the attempt's total deadline."""
     watchdog.arm(min(watchdog.loop.time() + idle, deadline))
     try:
@@ -844,5 +842,5 @@ async def _read_chunk(
         if watchdog.absorb():
             raise AttemptError("upstream stream stalled", timeout=True) from None
         raise
-    except (aiohttp.ClientError, OSError) as exc:
-        raise AttemptError(f"upstream cut the stream ({type(exc).__name__})") from None
+    except OSError as exc:
+        raise AttemptError(f"upstream cut the stream ({exc})") from None

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
 import msgspec
 import orjson
 
+from gateway import __version__
 from gateway.config import InstanceSpec, Timeouts
+from gateway.http1 import Client, ConnectError, Response
 
 __all__ = [
     "AttemptError",
@@ -174,20 +175,19 @@ def normalize_error(body: bytes, status: int) -> bytes:
 
 
 class Upstream:
-    """One instance: its connection pool, prebuilt headers and the scrubber for its key."""
+    """One instance: its keep-alive connections, prebuilt request heads and the scrubber for
+    its key."""
 
     def __init__(self, spec: InstanceSpec, timeouts: Timeouts) -> None:
         self.provider = spec.provider
         self.base_url = spec.url.rstrip("/")
-        root = urlsplit(self.base_url)
-        # Probe paths are written from the server root (`/v1/models`), not the base URL.
-        self._root = f"{root.scheme}://{root.netloc}"
-        self._session: aiohttp.ClientSession | None = None
+        self._base_path = urlsplit(self.base_url).path.rstrip("/")
+        self._client = Client(self.base_url, timeouts.connect_ms / 1000)
         self.update(spec, timeouts)
 
     def update(self, spec: InstanceSpec, timeouts: Timeouts) -> None:
         """Applies a reloaded spec of the same endpoint (model, key, headers, timeouts); the
-        keep-alive pool stays."""
+        keep-alive connections stay."""
         assert spec.url.rstrip("/") == self.base_url, "a new URL is a new instance"
         self.spec = spec
         self.name = spec.name
@@ -196,33 +196,22 @@ class Upstream:
             "Content-Type": "application/json",
             # Relay bytes as the upstream sent them, never decompress and re-encode.
             "Accept-Encoding": "identity",
+            "User-Agent": f"gateway/{__version__}",
         }
         headers.update(spec.headers)
         if spec.api_key:
             headers["Authorization"] = f"Bearer {spec.api_key}"
-        self._headers = headers
+        self._header_block = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self._heads: dict[tuple[str, str], bytes] = {}
         self._secret = spec.api_key.encode() if spec.api_key else b""
-        # Per request, so a reloaded connect timeout applies without a new pool.
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_ms / 1000)
+        self._client.connect_timeout = timeouts.connect_ms / 1000
 
-    def session(self) -> aiohttp.ClientSession:
-        """The keep-alive pool, created lazily inside the running loop."""
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(
-                limit=0,  # the core bounds concurrency per instance
-                keepalive_timeout=30,
-                enable_cleanup_closed=False,
-                ttl_dns_cache=60,
-            )
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                auto_decompress=False,
-                cookie_jar=aiohttp.DummyCookieJar(),
-            )
-        return self._session
-
-    def url(self, path: str) -> str:
-        return self.base_url + path
+    def _head(self, method: str, path: str) -> bytes:
+        head = self._heads.get((method, path))
+        if head is None:
+            head = self._client.head(method, path, self._header_block)
+            self._heads[(method, path)] = head
+        return head
 
     def body_for(self, request: dict[str, Any]) -> bytes:
         """The upstream body: the client's JSON with `model` set to this instance's model and
@@ -231,21 +220,18 @@ class Upstream:
         out["model"] = self.model
         return orjson.dumps(out)
 
-    async def open(self, path: str, body: bytes) -> aiohttp.ClientResponse:
-        """Sends the request; returns once the response head arrived. Raises `AttemptError`
-        on connect errors and resets (the caller bounds the time)."""
+    async def open(self, path: str, body: bytes) -> Response:
+        """Sends the request (`path` below the base URL); returns once the response head
+        arrived. Raises `AttemptError` on connect errors and resets (the caller bounds the
+        time; a cancellation cuts the connection)."""
         try:
-            return await self.session().post(
-                self.url(path),
-                data=body,
-                headers=self._headers,
-                allow_redirects=False,
-                timeout=self._timeout,
-            )
-        except aiohttp.ClientConnectorError as exc:
-            raise AttemptError(f"cannot connect to upstream ({exc.os_error.strerror})") from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise AttemptError(f"upstream connection failed ({type(exc).__name__})") from exc
+            return await self._client.request(self._head("POST", self._base_path + path), body)
+        except TimeoutError:
+            raise AttemptError("connecting to the upstream timed out", timeout=True) from None
+        except ConnectError as exc:
+            raise AttemptError(f"cannot connect to upstream ({exc.strerror})") from None
+        except OSError as exc:
+            raise AttemptError(f"upstream connection failed ({exc})") from None
 
     def scrub(self, data: bytes) -> bytes:
         """Removes this instance's key from bytes about to leave the gateway."""
@@ -254,26 +240,24 @@ class Upstream:
         return data
 
     async def probe(self, path: str, timeout_s: float) -> bool:
-        """A zero-token health probe: `GET path` answered 2xx within the timeout."""
+        """A zero-token health probe: `GET path` (from the server root) answered 2xx within the
+        timeout."""
         if path == DEFAULT_PROBE_PATH:
             path = PROVIDER_PROBE_PATHS.get(self.provider, path)
         try:
             async with asyncio.timeout(timeout_s):
-                async with self.session().get(
-                    self._root + path,
-                    headers=self._headers,
-                    allow_redirects=False,
-                    timeout=self._timeout,
-                ) as resp:
+                resp = await self._client.request(self._head("GET", path), b"")
+                try:
                     await resp.read()
-                    return 200 <= resp.status < 300
-        except (TimeoutError, aiohttp.ClientError, OSError):
+                finally:
+                    resp.release()
+                return 200 <= resp.status < 300
+        except (TimeoutError, OSError):
             return False
 
     @property
     def closed(self) -> bool:
-        return self._session is None or self._session.closed
+        return self._client.closed
 
     async def close(self) -> None:
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
+        await self._client.close()
