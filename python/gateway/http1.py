@@ -160,7 +160,11 @@ class Response:
                 self._eof = True
             return data
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+            self.close()  # the framing is lost: the connection is of no further use
             raise ConnectionResetError(f"upstream body cut ({type(exc).__name__})") from None
+        except ConnectionResetError:
+            self.close()
+            raise
 
     async def _chunk(self, reader: asyncio.StreamReader) -> bytes:
         line = await reader.readuntil(b"\r\n")
@@ -296,7 +300,11 @@ class Client:
             value = value.strip()
             old = dict.get(headers, key)
             headers[key] = value if old is None else f"{old}, {value}"
-        response = Response(self, conn, int(parts[1]), headers, head_only)
+        try:
+            response = Response(self, conn, int(parts[1]), headers, head_only)
+        except ConnectionResetError:
+            conn.abort()
+            raise
         if parts[0] == "HTTP/1.0" and (headers.get("connection") or "").lower() != "keep-alive":
             response._keep_alive = False
         return response
