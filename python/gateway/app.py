@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
@@ -50,6 +50,8 @@ from gateway.upstream import (
 )
 
 __all__ = ["Gateway"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("gateway")
 access_log = logging.getLogger("gateway.access")
@@ -634,14 +636,12 @@ class Gateway:
         try:
             # SPEC §6 timeouts: first byte, then the attempt's total.
             watchdog.arm(min(t0 + timeouts.first_byte_ms / 1000, deadline))
-            try:
-                resp_up = await upstream.open(endpoint.path, upstream.body_for(data))
-            except asyncio.CancelledError:
-                if watchdog.absorb():
-                    raise AttemptError(
-                        f"{upstream.name} sent no response head in time", timeout=True
-                    ) from None
-                raise
+            resp_up = await _guarded(
+                upstream.open(endpoint.path, upstream.body_for(data)),
+                watchdog,
+                f"{upstream.name} sent no response head in time",
+                "upstream connection failed",
+            )
             watchdog.arm(deadline)
             status = resp_up.status
             ex.ttfb = loop.time() - t0
@@ -821,26 +821,29 @@ def _now_ms() -> int:
     return time.monotonic_ns() // 1_000_000
 
 
-async def _read_all(resp: Response, watchdog: Watchdog) -> bytes:
-    """The whole upstream body, within the deadline the watchdog holds."""
+async def _guarded(aw: Awaitable[T], watchdog: Watchdog, late: str, broken: str) -> T:
+    """Awaits `aw` within the deadline the watchdog holds: its expiry becomes a timeout
+    `AttemptError`, a connection error a failure one; anyone else's cancellation passes."""
     try:
-        return await resp.read()
+        return await aw
     except asyncio.CancelledError:
         if watchdog.absorb():
-            raise AttemptError("upstream body did not arrive in time", timeout=True) from None
+            raise AttemptError(late, timeout=True) from None
         raise
     except OSError as exc:
-        raise AttemptError(f"upstream connection failed ({exc})") from None
+        raise AttemptError(f"{broken} ({exc})") from None
+
+
+async def _read_all(resp: Response, watchdog: Watchdog) -> bytes:
+    """The whole upstream body, within the attempt's deadline."""
+    return await _guarded(
+        resp.read(), watchdog, "upstream body did not arrive in time", "upstream connection failed"
+    )
 
 
 async def _read_chunk(content: Response, watchdog: Watchdog, idle: float, deadline: float) -> bytes:
     """The next piece of a stream, within the idle timeout and the attempt's total deadline."""
     watchdog.arm(min(watchdog.loop.time() + idle, deadline))
-    try:
-        return await content.readany()
-    except asyncio.CancelledError:
-        if watchdog.absorb():
-            raise AttemptError("upstream stream stalled", timeout=True) from None
-        raise
-    except OSError as exc:
-        raise AttemptError(f"upstream cut the stream ({exc})") from None
+    return await _guarded(
+        content.readany(), watchdog, "upstream stream stalled", "upstream cut the stream"
+    )
