@@ -5,7 +5,7 @@ proxies are pinned to core 0, the mock and the load generator (wrk) to core 1. F
 wrk runs a fixed duration; we report req/s, p50/p99 latency and the proxy process's CPU time per
 request read from /proc (user + system), and ratios to the bare proxy measured in the same run.
 
-    .venv/bin/python benches/e2e.py --duration 10 --rounds 2
+    .venv/bin/python benches/e2e.py --duration 10 --rounds 2 [--stream] [--ttfc]
 
 Needs wrk (Debian: apt-get install wrk) and taskset (util-linux).
 """
@@ -125,6 +125,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--stream", action="store_true", help="also measure streaming")
     ap.add_argument("--access-log", action="store_true", help="gateway logs every request")
+    ap.add_argument(
+        "--ttfc", action="store_true", help="also time to first stream chunk, one at a time"
+    )
     args = ap.parse_args()
     for tool in ("wrk", "taskset"):
         if not shutil.which(tool):
@@ -185,6 +188,25 @@ def main() -> int:
         for _, url, pid in targets:  # warm up connections and caches
             run_wrk(url, 8, 1.0, BODY, pid)
         for rnd in range(1, args.rounds + 1):
+            if args.ttfc:
+                print(f"\nround {rnd}, time to first chunk, 1 connection, 300 sequential streams")
+                print(f"{'target':12} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8}")
+                base_ttfc: tuple[float, float] | None = None
+                for name, url, _ in targets:
+                    out = subprocess.run(
+                        ["taskset", "-c", "1", PY, "benches/ttfc.py", url, "300"],
+                        cwd=ROOT,
+                        capture_output=True,
+                        text=True,
+                        check=True,
+                    ).stdout.split()
+                    p50, p99 = float(out[0]), float(out[1])
+                    base_ttfc = base_ttfc or (p50, p99)
+                    print(
+                        f"{name:12} {p50:8.2f} {p99:8.2f} {p50 - base_ttfc[0]:8.2f}"
+                        f" {p99 - base_ttfc[1]:8.2f}",
+                        flush=True,
+                    )
             for kind, body in bodies:
                 for conns in (64, 8, 1):
                     results = {}

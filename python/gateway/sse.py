@@ -10,9 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
+import msgspec
 
 __all__ = ["MalformedEvent", "SseChecker"]
+
+
+class _Event(msgspec.Struct):
+    usage: dict[str, Any] | None = None
+    error: Any = None
+
+
+_event = msgspec.json.Decoder(_Event)
 
 
 class MalformedEvent(ValueError):
@@ -62,13 +70,16 @@ class SseChecker:
                 self.done = True
                 continue
             try:
-                obj = orjson.loads(payload)
-            except orjson.JSONDecodeError:
+                # The whole payload's syntax is checked; only `usage` and `error` become
+                # Python objects (the choices are skipped, which is most of the cost saved).
+                obj = _event.decode(payload)
+            except msgspec.ValidationError:
+                continue  # JSON, but not an object: nothing for us in it
+            except msgspec.DecodeError:
                 raise MalformedEvent("a stream event was not JSON") from None
-            if isinstance(obj, dict):
-                if obj.get("usage"):
-                    self.usage = obj["usage"]
-                if obj.get("error") is not None:
-                    err = obj["error"]
-                    msg = err.get("message") if isinstance(err, dict) else err
-                    self.upstream_error = str(msg)[:200]
+            if obj.usage:
+                self.usage = obj.usage
+            if obj.error is not None:
+                err = obj.error
+                msg = err.get("message") if isinstance(err, dict) else err
+                self.upstream_error = str(msg)[:200]
