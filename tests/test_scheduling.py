@@ -32,6 +32,14 @@ async def _wait_queued(gw: RunningGateway, high: int, low: int, within: float = 
         await asyncio.sleep(0.005)
 
 
+async def _wait_in_flight(gw: RunningGateway, within: float = 5.0) -> None:
+    """Until the blocker holds the pool's one slot."""
+    deadline = time.monotonic() + within
+    while (await gw.state())["pools"]["p"]["in_flight"] < 1:
+        assert time.monotonic() < deadline, "the blocker never started"
+        await asyncio.sleep(0.005)
+
+
 def _order(m: MockServer) -> str:
     """The grant order as the backend saw it: the first letter of each prompt."""
     return "".join(r["body"]["messages"][0]["content"][0] for r in m.requests)
@@ -45,8 +53,7 @@ async def _saturate(
     latency = m.behavior.latency_ms
     m.configure(latency_ms=500)
     tasks = [asyncio.create_task(_send(gw, "B", "high"))]
-    while (await gw.state())["pools"]["p"]["in_flight"] < 1:
-        await asyncio.sleep(0.005)
+    await _wait_in_flight(gw)
     m.configure(latency_ms=latency)
     plan = [("L", "low", lows), ("H", "high", highs)]
     if first == "high":
@@ -132,8 +139,7 @@ async def test_queue_full_spills_then_rejects(
     )
     gw = await gateway_factory(config)
     blocker = asyncio.create_task(_send(gw, "B", "high"))
-    while (await gw.state())["pools"]["p"]["in_flight"] < 1:
-        await asyncio.sleep(0.005)
+    await _wait_in_flight(gw)
     queued = asyncio.create_task(_send(gw, "H0", "high"))
     await _wait_queued(gw, 1, 0)
     spilled = asyncio.create_task(_send(gw, "H1", "high"))
@@ -154,8 +160,7 @@ async def test_queue_timeout(mocks: MockFactory, gateway_factory: GatewayFactory
     config = simple_config(pool_config((m, 1)), scheduler={"high": {"max_wait_ms": 150}})
     gw = await gateway_factory(config)
     blocker = asyncio.create_task(_send(gw, "B", "high"))
-    while (await gw.state())["pools"]["p"]["in_flight"] < 1:
-        await asyncio.sleep(0.005)
+    await _wait_in_flight(gw)
     t0 = time.monotonic()
     status, body, headers = await _send(gw, "H0", "high")
     waited = time.monotonic() - t0
@@ -173,8 +178,7 @@ async def test_client_leaving_the_queue_never_reaches_upstream(
     m = await mocks(latency_ms=400)
     gw = await gateway_factory(simple_config(pool_config((m, 1))))
     blocker = asyncio.create_task(_send(gw, "B", "high"))
-    while (await gw.state())["pools"]["p"]["in_flight"] < 1:
-        await asyncio.sleep(0.005)
+    await _wait_in_flight(gw)
     async with aiohttp.ClientSession() as s:
         try:
             async with s.post(
