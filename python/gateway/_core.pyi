@@ -13,6 +13,7 @@ __all__ = [
     "InstanceInfo",
     "InstanceState",
     "InvalidPoolConfig",
+    "KeywordSet",
     "NoHealthyInstance",
     "Outcome",
     "Policy",
@@ -209,3 +210,8 @@ class Pool:
     @property
     def has_transitions(self) -> bool: ...
     def stats(self) -> PoolStats: ...
+
+@final
+class KeywordSet:
+    def __new__(cls, patterns: list[bytes]) -> KeywordSet: ...
+    def present(self, haystack: bytes) -> list[int]: ...

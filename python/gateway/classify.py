@@ -94,6 +94,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Final, TypeGuard
 from urllib.parse import quote, unquote
 
+from gateway._core import KeywordSet
 from gateway.config import Classifier, ComplexityName, Config
 
 __all__ = [
@@ -232,6 +233,8 @@ class ComplexityClassifier:
         "_complex",
         "_simple",
         "_substrings",
+        "_trigger_list",
+        "_trigger_search",
         "_triggers",
         "code_lines_complex",
         "default_complexity",
@@ -256,6 +259,10 @@ class ComplexityClassifier:
         self._triggers: frozenset[bytes] = (
             self._complex.triggers | self._simple.triggers | {_BIG_O_WORD} | _CODE_WORDS
         )
+        # Whole-word search for every trigger in one Aho-Corasick pass in the core (in the
+        # word form every word stands between spaces).
+        self._trigger_list = sorted(self._triggers)
+        self._trigger_search = KeywordSet(self._trigger_list)
         # The substring keywords of both lists, found in one pass over the text.
         self._substrings = _SubstringScanner([*self._complex.substrings, *self._simple.substrings])
 
@@ -270,7 +277,8 @@ class ComplexityClassifier:
         if not parts:
             return self.default_complexity, "no_text"
         text = _Text(parts)
-        hits = self._triggers.intersection(text.words())
+        names = self._trigger_list
+        hits = frozenset(names[i] for i in self._trigger_search.present(text.word_form()))
         found = self._substrings.occurrences(text)
         keyword = self._complex.first(text, hits, found)
         if keyword is not None:

@@ -10,6 +10,7 @@
 pub mod balancer;
 pub mod error;
 pub mod health;
+pub mod matcher;
 pub mod pool;
 pub mod queue;
 pub mod rng;
@@ -19,6 +20,7 @@ pub mod types;
 pub use balancer::{Balancer, Load};
 pub use error::CoreError;
 pub use health::{Breaker, HealthConfig};
+pub use matcher::KeywordSet;
 pub use pool::{Admit, Event, EventKind, Instance, Pool, PoolConfig, PoolStats, MAX_INSTANCES};
 pub use selector::{Choice, Selector, SelectorConfig};
 pub use types::{BalancerKind, InstanceState, Millis, Outcome, Policy, Priority, Tenant, Ticket};

@@ -7,9 +7,11 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
 mod enums;
+mod matcher;
 mod pool;
 
 use enums::{Balancer, InstanceState, Outcome, Policy, Priority};
+use matcher::KeywordSet;
 use pool::{InstanceInfo, Pool, PoolConfig, PoolStats};
 
 create_exception!(
@@ -93,6 +95,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Pool>()?;
     m.add_class::<InstanceInfo>()?;
     m.add_class::<PoolStats>()?;
+    m.add_class::<KeywordSet>()?;
     m.add("GatewayError", py.get_type::<GatewayError>())?;
     m.add("QueueFull", py.get_type::<QueueFull>())?;
     m.add("NoHealthyInstance", py.get_type::<NoHealthyInstance>())?;
