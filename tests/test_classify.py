@@ -452,3 +452,44 @@ def test_any_json_body_classifies(body: dict[str, Any]) -> None:
     assert complexity in ("simple", "complex")
     assert rule and "\n" not in rule and "\r" not in rule
     assert DEFAULT.classify(body) == (complexity, rule)  # deterministic
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from(
+            [
+                "dp",
+                "dpi",
+                "tle",
+                "prove",
+                "improve",
+                "proving",
+                "compile",
+                "O(n)",
+                "复杂度",
+                "int",
+                "x",
+                " ",
+                "\n",
+                "-",
+                "DP",
+                "worst-case",
+                "```",
+                "优化",
+                "big-o",
+                "syntax!",
+            ]
+        ),
+        max_size=40,
+    ).map(" ".join)
+)
+def test_core_trigger_search_equals_word_set_intersection(text: str) -> None:
+    """The Aho-Corasick trigger search in the core finds exactly the whole words a split of
+    the word form would."""
+    from gateway.classify import _Text
+
+    c = ComplexityClassifier()
+    form = _Text([text]).word_form()
+    found = frozenset(c._trigger_list[i] for i in c._trigger_search.present(form))
+    assert found == c._triggers.intersection(form.split())
