@@ -726,8 +726,9 @@ class Gateway:
             return AttemptError(
                 f"{upstream.name} closed the stream before any data"
             ), Outcome.FAILURE
-        if first.lstrip()[:1] == b"{" and upstream_error_of(first) is not None:
-            return AttemptError(f"{upstream.name}: {upstream_error_of(first)}"), Outcome.FAILURE
+        reported = upstream_error_of(first) if first.lstrip()[:1] == b"{" else None
+        if reported is not None:
+            return AttemptError(f"{upstream.name}: {reported}"), Outcome.FAILURE
         checker = SseChecker()
         try:
             out = checker.feed(first)

@@ -192,13 +192,6 @@ class Runtime:
                 still.append(pool)
         self.retired = still
 
-    def quiet(self) -> bool:
-        """Nothing waiting and nothing in flight anywhere."""
-        return all(
-            p.scheduler.core.waiting == 0 and p.scheduler.core.in_flight == 0
-            for p in [*self.pools.values(), *self.retired]
-        )
-
     async def close(self) -> None:
         for pool in [*self.pools.values(), *self.retired]:
             pool.scheduler.close()
