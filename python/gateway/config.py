@@ -180,8 +180,20 @@ class Retries(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=T
     max_attempts: PositiveInt = 3
 
 
+class TlsSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """SPEC §6: how an `https` instance's certificate is verified. Verification cannot be
+    turned off: `ca_file` replaces the system store, `server_name` the name checked (and sent
+    as SNI)."""
+
+    ca_file: str | None = None
+    server_name: str | None = None
+
+
 class InstanceSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """One backend endpoint. `url` is its OpenAI base URL (no trailing slash once loaded)."""
+    """One backend endpoint. `url` is its OpenAI base URL (no trailing slash once loaded).
+
+    `proxy` is an egress proxy URL (`http://host:port`) used for this instance instead of
+    `HTTPS_PROXY` / `HTTP_PROXY` from the environment (SPEC §6)."""
 
     name: str
     url: str
@@ -190,6 +202,8 @@ class InstanceSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     max_concurrency: PositiveInt
     provider: ProviderName = "openai"
     headers: dict[str, str] = {}
+    tls: TlsSpec | None = None
+    proxy: str | None = None
 
     def _masked(self) -> Iterator[tuple[str, object]]:
         yield "name", self.name
@@ -200,6 +214,9 @@ class InstanceSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
         yield "provider", self.provider
         # Header values are masked too: they are where extra credentials usually go.
         yield "headers", dict.fromkeys(self.headers, _MASK)
+        yield "tls", self.tls
+        # A proxy URL may carry credentials (user:password@host).
+        yield "proxy", None if self.proxy is None else _MASK
 
     def __repr__(self) -> str:
         return _repr(self, self._masked())
@@ -332,11 +349,18 @@ class Auth(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True
 
 
 class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """Slow-client bounds (SPEC §7): header and body read deadlines, keep-alive idle time."""
+    """Slow-client bounds (SPEC §7): header and body read deadlines, keep-alive idle time; and
+    the buffer bounds of SPEC §16."""
 
     header_timeout_ms: PositiveMs = 10_000
     body_timeout_ms: PositiveMs = 30_000
     keepalive_timeout_ms: PositiveMs = 75_000
+    # SPEC §16: request bytes held across queued and in-flight requests (503 `overloaded`).
+    max_buffered_bytes: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)] = 1 << 30
+    # SPEC §16: one non-streamed upstream response (502 `upstream_error`).
+    max_response_bytes: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)] = 64 << 20
+    # SPEC §16: one SSE event (the stream ends with an error event).
+    max_event_bytes: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)] = 1 << 20
 
 
 class Shutdown(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -718,7 +742,11 @@ def _check_sections(cfg: Config) -> None:
         )
     if not h.probe.path.startswith("/"):
         raise ConfigError("health.probe.path", "must start with `/`")
-    if _has_bad_chars(h.probe.path) or any(c in h.probe.path for c in " ?#"):
+    if (
+        _has_bad_chars(h.probe.path)
+        or not h.probe.path.isascii()
+        or any(c in h.probe.path for c in " ?#")
+    ):
         raise ConfigError("health.probe.path", "must be a plain URL path (no spaces, `?` or `#`)")
     t = cfg.timeouts
     for name in ("connect_ms", "first_byte_ms", "stream_idle_ms"):
@@ -787,7 +815,39 @@ def _check_instance(path: str, inst: InstanceSpec) -> InstanceSpec:
             raise ConfigError(hpath, "is set by the gateway and cannot be configured")
         if _has_bad_chars(value):
             raise ConfigError(hpath, "header value must not contain control characters")
+        if not value.isascii():
+            # A request head is bytes: a non-ASCII value could not be sent (and would kill
+            # the prober, which sends the same head).
+            raise ConfigError(hpath, "header value must be ASCII")
+    if inst.api_key is not None and not inst.api_key.isascii():
+        raise ConfigError(f"{path}.api_key", "must be ASCII")
+    if inst.tls is not None:
+        if not url.lower().startswith("https:"):
+            raise ConfigError(f"{path}.tls", "is only for https:// instances")
+        ca = inst.tls.ca_file
+        if ca is not None and not os.access(ca, os.R_OK):
+            raise ConfigError(f"{path}.tls.ca_file", "is not a readable file")
+        name = inst.tls.server_name
+        if name is not None and (not name or not name.isascii() or _has_bad_chars(name)):
+            raise ConfigError(f"{path}.tls.server_name", "must be a non-empty ASCII host name")
+    if inst.proxy is not None:
+        _check_proxy(f"{path}.proxy", inst.proxy)
     return msgspec.structs.replace(inst, url=url) if url != inst.url else inst
+
+
+def _check_proxy(path: str, url: str) -> None:
+    """An egress proxy is `http://[user:password@]host:port`; the reason never quotes it."""
+    if _has_bad_chars(url) or " " in url:
+        raise ConfigError(path, "must not contain spaces or control characters")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        raise ConfigError(path, "not a valid URL (bad host or port)") from None
+    if parts.scheme.lower() != "http":
+        raise ConfigError(path, "must be an http:// proxy URL (HTTP CONNECT)")
+    if not parts.hostname:
+        raise ConfigError(path, "must name a host")
 
 
 def _check_url(path: str, url: str) -> str:
