@@ -52,6 +52,7 @@ from gateway.app import Gateway
 from gateway.config import parse_config
 from gateway.mock import MockBehavior, MockServer
 from gateway.report import fmt_ms, percentile
+from gateway.server import Server
 
 BALANCERS: Final = ("least_connections", "round_robin", "random", "p2c")
 SHORT: Final = {"least_connections": "lc", "round_robin": "rr", "random": "random", "p2c": "p2c"}
@@ -169,17 +170,12 @@ def config_yaml(policy: str, pools: dict[str, tuple[str, list[str]]], seed: int)
 @contextlib.asynccontextmanager
 async def serving(text: str) -> AsyncIterator[tuple[Gateway, str]]:
     """The gateway of config `text` on an ephemeral port: (gateway, base URL)."""
-    gateway = Gateway(parse_config(text, env={}, source="policies bench"))
-    runner = web.ServerRunner(gateway.server(), handle_signals=False, shutdown_timeout=1.0)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    server = Server(parse_config(text, env={}, source="policies bench"), host="127.0.0.1", port=0)
+    await server.start()
     try:
-        yield gateway, f"http://127.0.0.1:{runner.addresses[0][1]}"
+        yield server.gateway, server.url
     finally:
-        await gateway.drain(site)
-        await runner.cleanup()
-        await gateway.close()
+        await server.shutdown()
 
 
 @contextlib.asynccontextmanager

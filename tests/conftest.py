@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
 import pytest
+import uvloop
 import yaml
-from aiohttp import web
 
-from gateway.app import Gateway
 from gateway.config import parse_config
-from gateway.health import Prober
 from gateway.mock import MockBehavior, MockServer
+from gateway.server import Server
 from support import GatewayFactory, MockFactory, RunningGateway
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Tests run on uvloop, the loop `gateway serve` runs on (its transports differ from
+    asyncio's: a client that only worked on the default loop would pass and then fail)."""
+    return {"uvloop": uvloop.new_event_loop}
 
 
 @pytest.fixture
@@ -38,30 +46,22 @@ async def gateway_factory(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[GatewayFactory]:
     """Starts the gateway in process on a free port with a config dict (YAML semantics)."""
-    running: list[tuple[RunningGateway, web.ServerRunner, Prober]] = []
+    running: list[tuple[RunningGateway, Server]] = []
 
     async def start(config: dict[str, Any], *, probes: bool = False) -> RunningGateway:
         config.setdefault("health", {}).setdefault("probe", {}).setdefault("enabled", probes)
         path = tmp_path_factory.mktemp("gw") / "gateway.yaml"
         path.write_text(yaml.safe_dump(config))
         cfg = parse_config(path.read_text(), env={})
-        gw = Gateway(cfg, config_path=str(path))
-        runner = web.ServerRunner(gw.server(), handle_signals=False, shutdown_timeout=1.0)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
-        prober = Prober(gw.runtime)
-        prober.start()
+        server = Server(cfg, config_path=str(path), host="127.0.0.1", port=0)
+        await server.start()
         session = aiohttp.ClientSession()
         admin = (config.get("auth") or {}).get("admin_key")
-        handle = RunningGateway(gw, f"http://127.0.0.1:{port}", session, path, admin)
-        running.append((handle, runner, prober))
+        handle = RunningGateway(server.gateway, server.url, session, path, admin)
+        running.append((handle, server))
         return handle
 
     yield start
-    for handle, runner, prober in running:
-        await prober.stop()
+    for handle, server in running:
         await handle.session.close()
-        await runner.cleanup()
-        await handle.gateway.close()
+        await server.shutdown(drain=False)

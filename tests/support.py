@@ -59,8 +59,9 @@ class RunningGateway:
             ]
             if not busy:
                 for pool in self.gateway.runtime.pools.values():
-                    assert pool.scheduler.core.outstanding == 0
-                    assert not pool.scheduler._waiters
+                    snap = pool.snapshot()
+                    assert snap.outstanding == 0, f"{snap.name}: tickets still outstanding"
+                    assert snap.waiters == 0, f"{snap.name}: waiters left behind"
                 return
             if time.monotonic() > deadline:
                 raise AssertionError(f"gateway not quiet: {busy}")

@@ -299,7 +299,7 @@ async def test_dashboard_with_admin_key(
     m = await mocks()
     auth = {"keys": [{"key": "sk-client", "name": "client"}], "admin_key": ADMIN_KEY}
     gw = await gateway_factory(_config(pool_config(m), auth=auth))
-    name = "heavy/" + _name(gw.gateway.state(), "heavy", m)
+    name = "heavy/" + _name(gw.gateway.admin.state(), "heavy", m)
     count = "document.querySelectorAll('[data-instance]').length"
     auth_shown = (
         "!document.getElementById('auth').hidden"

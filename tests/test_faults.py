@@ -155,14 +155,19 @@ async def test_429_with_retry_after_cools_the_instance(
     limited = await mocks(fail_rate=1.0, fail_status=429, retry_after_s=30)
     ok = await mocks()
     gw = await gateway_factory(
-        two_pool_config(pool_config(limited, ok), health={"failure_threshold": 5})
+        two_pool_config(
+            pool_config(limited, ok), health={"failure_threshold": 5, "max_ejection_ms": 60_000}
+        )
     )
     for _ in range(6):
         assert (await _post(gw))[0] == 200
-    # cooled for 30 s after the first 429: never tried again, yet not ejected
+    # cooled for 30 s after the first 429: never tried again, yet not ejected (SPEC §7: the
+    # state says `cooling` and `cooling_until` gives its end)
     assert limited.stats.requests_total == 1
     inst = _instance(await gw.state(), limited)
-    assert inst["state"] == "healthy" and inst["consecutive_failures"] == 1
+    assert inst["state"] == "cooling" and inst["consecutive_failures"] == 1
+    assert inst["ejected_until"] is None
+    assert inst["cooling_until"] > time.time() + 20
     assert inst["next_try_at"] > time.time() + 20
     await gw.assert_quiet()
 

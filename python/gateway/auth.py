@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from gateway._core import Priority
 from gateway.config import Config
+from gateway.errors import Unauthorized
 from gateway.limits import KeyLimits
-from gateway.responses import HttpError
 
 __all__ = ["ANONYMOUS", "KeyRing", "Tenant"]
 
@@ -35,7 +35,9 @@ def bearer(headers: Mapping[str, str]) -> bytes | None:
     scheme, _, token = raw.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return None
-    return token.strip().encode()
+    # aiohttp decodes header bytes as UTF-8 with surrogate escapes: a token that is not
+    # UTF-8 comes back as its own bytes (and then matches no key: 401, never a 500).
+    return token.strip().encode("utf-8", "surrogateescape")
 
 
 class KeyRing:
@@ -74,16 +76,14 @@ class KeyRing:
             return ANONYMOUS
         presented = bearer(headers)
         if presented is None:
-            raise HttpError(
-                401, "invalid_api_key", "Missing API key: send 'Authorization: Bearer <key>'."
-            )
+            raise Unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
         found = None
         # Constant time in the key: every key is compared, whatever matched.
         for tenant in self.tenants:
             if hmac.compare_digest(tenant.secret, presented) and found is None:
                 found = tenant
         if found is None:
-            raise HttpError(401, "invalid_api_key", "Incorrect API key provided.")
+            raise Unauthorized("Incorrect API key provided.")
         return found
 
     def authenticate_admin(self, headers: Mapping[str, str]) -> None:
@@ -91,4 +91,4 @@ class KeyRing:
             return
         presented = bearer(headers)
         if not self._admin or presented is None or not hmac.compare_digest(self._admin, presented):
-            raise HttpError(401, "invalid_api_key", "The admin API needs the admin key.")
+            raise Unauthorized("The admin API needs the admin key.")

@@ -369,6 +369,15 @@ class Shutdown(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     drain_timeout_ms: NonNegativeMs = 25_000
 
 
+class Telemetry(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """OpenTelemetry traces (off unless an endpoint is set here or in
+    `OTEL_EXPORTER_OTLP_ENDPOINT`; needs the `otel` extra)."""
+
+    otlp_endpoint: str | None = None
+    service_name: str | None = None
+    sample_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 1.0
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """The whole configuration. Build it with `load_config` / `parse_config` (they validate)."""
 
@@ -386,6 +395,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     auth: Auth | None = None
     limits: Limits = msgspec.field(default_factory=Limits)
     shutdown: Shutdown = msgspec.field(default_factory=Shutdown)
+    telemetry: Telemetry = msgspec.field(default_factory=Telemetry)
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
 
     def pool_balancer(self, pool: str) -> BalancerName:

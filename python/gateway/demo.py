@@ -41,12 +41,10 @@ from urllib.parse import unquote
 
 import aiohttp
 import orjson
-from aiohttp import web
 
 from gateway import __version__
 from gateway.app import Gateway
 from gateway.config import parse_config
-from gateway.health import Prober
 from gateway.mock import MockBehavior, MockServer
 from gateway.report import (
     Band,
@@ -65,6 +63,7 @@ from gateway.report import (
     percentile,
     timeline_chart,
 )
+from gateway.server import Server
 
 __all__ = [
     "DemoResult",
@@ -562,10 +561,7 @@ async def main(
         for i, (_, model) in enumerate(HEAVY)
     ]
     crashed = mocks[len(LIGHT) + [n for n, _ in HEAVY].index(CRASHED)]
-    runner: web.ServerRunner | None = None
-    prober: Prober | None = None
-    gateway: Gateway | None = None
-    site: web.TCPSite | None = None
+    server: Server | None = None
     try:
         for m in mocks:
             await m.start()
@@ -573,27 +569,17 @@ async def main(
             options, [m.url for m in mocks[: len(LIGHT)]], [m.url for m in mocks[len(LIGHT) :]]
         )
         config = parse_config(text, env={}, source="demo config")
-        gateway = Gateway(config)
-        runner = web.ServerRunner(gateway.server(), handle_signals=False, shutdown_timeout=1.0)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = int(runner.addresses[0][1])
-        prober = Prober(gateway.runtime)
-        prober.start()
+        server = Server(config, host="127.0.0.1", port=0)
+        await server.start()
+        gateway = server.gateway
+        port = server.port
         mode = "classifier" if _classifier_wired(gateway) else "header"
         result = DemoResult(options, script, text, mode)
         _print_intro(out, options, script, jobs, port, mode)
-        await _drive(result, gateway, f"http://127.0.0.1:{port}", jobs, crashed, out, stop)
+        await _drive(result, gateway, server.url, jobs, crashed, out, stop)
     finally:
-        if gateway is not None and site is not None:
-            await gateway.drain(site)
-        if prober is not None:
-            await prober.stop()
-        if runner is not None:
-            await runner.cleanup()
-        if gateway is not None:
-            await gateway.close()
+        if server is not None:
+            await server.shutdown()
         for m in mocks:
             await m.stop()
     result.wall_s = time.monotonic() - wall0
@@ -808,7 +794,7 @@ async def _sample(
 ) -> None:
     """Samples the gateway's state every 200 ms (and once more at the end)."""
     while True:
-        result.snapshots.append(snapshot_of(now(), gateway.state()))
+        result.snapshots.append(snapshot_of(now(), gateway.admin.state()))
         progress.update(result.snapshots[-1], now())
         if finished.is_set():
             return

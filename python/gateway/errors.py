@@ -1,16 +1,21 @@
-"""The gateway's exception tree.
+"""The gateway's exception tree: every error the gateway can answer is a class here.
 
-`GatewayError` and the scheduling errors are defined by the Rust core (so errors it raises
-are real members of the tree); the rest subclass them here.
+`GatewayError` and the scheduling errors are defined by the Rust core (so errors it raises are
+real members of the tree); the rest subclass them here. Code that finds a problem raises the
+domain error with what it knows (typed attributes, never data in `args`); `responses.py` keeps
+the one table from class to HTTP answer (status, code, type, Retry-After), the way aiohttp
+keeps its HTTP exceptions in one module.
 
 - `QueueFull(message, retry_after_ms)`: no queue room (SPEC §3 "Overflow").
 - `NoHealthyInstance(message, retry_after_ms)`: nothing the request may use is up (SPEC §6).
-- `UnknownTicket`: a ticket released twice or never known.
-- `InvalidPoolConfig`: a scheduler value the core refuses.
+- `UnknownTicket`, `InvalidPoolConfig`: the core's own complaints.
 - `ConfigError`: an invalid configuration file; `path` names the field.
+- `RequestError` and its subclasses: answered to the client as they are.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from gateway._core import (
     GatewayError,
@@ -21,12 +26,29 @@ from gateway._core import (
 )
 
 __all__ = [
+    "DEFAULT_RETRY_AFTER_MS",
     "ConfigError",
+    "Draining",
     "GatewayError",
+    "InternalError",
+    "InvalidConfig",
     "InvalidPoolConfig",
+    "InvalidRequest",
+    "MethodNotAllowed",
+    "ModelNotFound",
     "NoHealthyInstance",
+    "NotFound",
+    "Overloaded",
     "QueueFull",
+    "QueueTimeout",
+    "RateLimited",
+    "RequestError",
+    "RequestTimeout",
+    "RequestTooLarge",
+    "Unauthorized",
     "UnknownTicket",
+    "UpstreamFailed",
+    "UpstreamTimedOut",
     "retry_after_ms",
 ]
 
@@ -41,7 +63,97 @@ class ConfigError(GatewayError):
         self.reason = reason
 
 
+class RequestError(GatewayError):
+    """An error answered to the client as it is: `message` is for the client (never a secret,
+    never the client's own input echoed), `param` names the offending field, `retry_after_ms`
+    becomes `Retry-After`, `headers` are added to the answer."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after_ms: int | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.retry_after_ms = retry_after_ms
+        self.headers = dict(headers or {})
+
+
+class InvalidRequest(RequestError):
+    """Malformed JSON, missing or invalid fields, bad header values."""
+
+
+class Unauthorized(RequestError):
+    """Auth is on and the key is missing or unknown."""
+
+
+class ModelNotFound(RequestError):
+    """An alias this gateway (or this key) does not serve."""
+
+
+class NotFound(RequestError):
+    """No such route."""
+
+
+class MethodNotAllowed(RequestError):
+    """The route exists with other methods (named in `Allow`)."""
+
+
+class RequestTimeout(RequestError):
+    """The request body arrived too slowly (SPEC §7 slowloris bound)."""
+
+
+class RequestTooLarge(RequestError):
+    """A body over `max_body_bytes`."""
+
+
+class RateLimited(RequestError):
+    """A per-key RPM/TPM limit (SPEC §4 keys); carries Retry-After and the limit headers."""
+
+
+class QueueTimeout(RequestError):
+    """SPEC §3 "Deadlines": waited longer than the class's `max_wait_ms`."""
+
+
+class Overloaded(RequestError):
+    """SPEC §16: the gateway already holds `limits.max_buffered_bytes` of requests."""
+
+
+class Draining(RequestError):
+    """SPEC §7: the gateway is shutting down (or its drain deadline passed)."""
+
+
+class InvalidConfig(RequestError):
+    """`POST /admin/reload` of a config that does not validate; the old one stays."""
+
+
+class UpstreamFailed(RequestError):
+    """Every attempt failed (SPEC §6), or the upstream rejected the gateway's own key."""
+
+
+class UpstreamTimedOut(RequestError):
+    """Every attempt failed and the last one timed out."""
+
+
+class InternalError(RequestError):
+    """A bug: answered without details, logged with them."""
+
+
+#: The Retry-After given when nothing better is known (drain, overload), in ms.
+DEFAULT_RETRY_AFTER_MS = 1000
+
+
 def retry_after_ms(exc: GatewayError) -> int:
-    """The wait the core suggests before a retry, carried as the error's second argument."""
-    value = exc.args[1] if len(exc.args) > 1 else 1000
+    """The wait the core suggests before a retry (its errors carry it as their second
+    argument; ours as `retry_after_ms`)."""
+    if isinstance(exc, RequestError) and exc.retry_after_ms is not None:
+        return exc.retry_after_ms
+    value = getattr(exc, "retry_after_ms", None)
+    if isinstance(value, int):
+        return value
+    value = exc.args[1] if len(exc.args) > 1 else DEFAULT_RETRY_AFTER_MS
     return int(value)

@@ -1,6 +1,13 @@
 """Active health probes (SPEC §6): zero-token `GET probe.path` on every instance, off the
 request path. A failed probe counts as a failure; a passing one only lets an ejected instance
-into half-open — the core decides what each result means."""
+into half-open — the core decides what each result means.
+
+The prober must outlive anything an upstream sends: half-open needs a passing probe, so a
+prober that died would keep every ejected instance out for good. Each probe's own failure
+(whatever it raises) is that probe's failed result; a round that breaks is logged and the
+next round runs on time. The task runs whether probing is on or off, so a reload that turns
+probes on takes effect at the next interval.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +21,8 @@ __all__ = ["Prober"]
 
 log = logging.getLogger("gateway.health")
 
+_IDLE_CHECK_S = 1.0  # how soon a reload that enables probing is noticed
+
 
 class Prober:
     """Probes every instance of a runtime every `probe.interval_ms`."""
@@ -23,13 +32,19 @@ class Prober:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        if self.runtime.config.health.probe.enabled and self._task is None:
+        if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="prober")
 
     async def _run(self) -> None:
         while True:
             probe = self.runtime.config.health.probe
-            await self.probe_all()
+            if not probe.enabled:
+                await asyncio.sleep(_IDLE_CHECK_S)
+                continue
+            try:
+                await self.probe_all()
+            except Exception:
+                log.exception("probe round failed")
             await asyncio.sleep(probe.interval_ms / 1000)
 
     async def probe_all(self) -> None:
@@ -39,11 +54,22 @@ class Prober:
         for pool in self.runtime.pools.values():
             for idx, up in pool.live_upstreams():
                 jobs.append((pool, idx, up.name, up.probe(probe.path, probe.timeout_ms / 1000)))
-        results = await asyncio.gather(*(job[3] for job in jobs))
+        results = await asyncio.gather(*(job[3] for job in jobs), return_exceptions=True)
         for (pool, idx, name, _), ok in zip(jobs, results, strict=True):
+            passed = ok is True
+            if isinstance(ok, BaseException):
+                log.warning(
+                    "probe raised",
+                    extra={
+                        "fields": {"pool": pool.name, "instance": name, "error": type(ok).__name__}
+                    },
+                )
             # State changes this causes are logged by the scheduler's transition hook.
-            pool.scheduler.record_probe(idx, ok)
-            if not ok:
+            try:
+                pool.record_probe(idx, passed)
+            except Exception:  # e.g. the instance went away in a reload meanwhile
+                log.exception("recording a probe failed")
+            if not passed:
                 log.info("probe failed", extra={"fields": {"pool": pool.name, "instance": name}})
 
     async def stop(self) -> None:

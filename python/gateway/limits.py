@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.responses import HttpError
+from gateway.errors import RateLimited as _RateLimited
 
 __all__ = ["KeyLimits", "estimate_tokens"]
 
@@ -91,7 +91,7 @@ class KeyLimits:
 
     def admit(self, estimate: int) -> tuple[int, dict[str, str]]:
         """Charges one request and `estimate` tokens; returns the tokens charged and the
-        `x-ratelimit-*` headers. Raises `HttpError(429)` and charges nothing when over."""
+        `x-ratelimit-*` headers. Raises `RateLimited` (429) and charges nothing when over."""
         now = time.monotonic()
         req, tok = self._requests, self._tokens
         if req is not None:
@@ -135,16 +135,12 @@ class KeyLimits:
         return h
 
 
-class RateLimited(HttpError):
+def RateLimited(which: str, wait_s: float, headers: dict[str, str]) -> _RateLimited:
     """429 with Retry-After and the limit headers."""
-
-    def __init__(self, which: str, wait_s: float, headers: dict[str, str]) -> None:
-        wait_ms = 60_000 if math.isinf(wait_s) else max(1, math.ceil(wait_s * 1000))
-        super().__init__(
-            429,
-            "rate_limited",
-            f"Rate limit reached for {which} per minute on this API key; "
-            f"retry after {_reset_text(wait_ms / 1000)}.",
-            retry_after_ms=wait_ms,
-        )
-        self.headers = headers
+    wait_ms = 60_000 if math.isinf(wait_s) else max(1, math.ceil(wait_s * 1000))
+    return _RateLimited(
+        f"Rate limit reached for {which} per minute on this API key; "
+        f"retry after {_reset_text(wait_ms / 1000)}.",
+        retry_after_ms=wait_ms,
+        headers=headers,
+    )

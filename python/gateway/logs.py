@@ -1,7 +1,7 @@
 """Structured logs: one JSON object per line (`--log-format json`) or readable text.
 
-Records carry their data in `extra={"fields": {...}}`; nothing here ever formats a key,
-because nothing on the request path puts one in `fields`.
+Records carry their data in `extra={"fields": {...}}`. Every handler redacts what it is given
+(`gateway.redact`): known secrets and credential-shaped text never reach the output.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import time
 from typing import Any
 
 import orjson
+
+from gateway.redact import RedactingFilter
 
 __all__ = ["setup_logging"]
 
@@ -27,8 +29,9 @@ class JsonFormatter(logging.Formatter):
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict):
             out.update(fields)
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
+        exc = _exc_text(self, record)
+        if exc:
+            out["exc"] = exc
         return orjson.dumps(out, default=str).decode()
 
 
@@ -40,14 +43,26 @@ class TextFormatter(logging.Formatter):
         if isinstance(fields, dict):
             tail = " " + " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
         text = f"{stamp} {record.levelname.lower():5} {record.name}: {record.getMessage()}{tail}"
-        if record.exc_info:
-            text += "\n" + self.formatException(record.exc_info)
+        exc = _exc_text(self, record)
+        if exc:
+            text += "\n" + exc
         return text
+
+
+def _exc_text(formatter: logging.Formatter, record: logging.LogRecord) -> str | None:
+    """The record's traceback: already rendered (and redacted) by `RedactingFilter`."""
+    if record.exc_text:
+        return record.exc_text
+    if record.exc_info:
+        return formatter.formatException(record.exc_info)
+    return None
 
 
 def setup_logging(fmt: str = "text", level: str = "info", access: bool = True) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    # SPEC §7: no key in any log line, whoever logs it (aiohttp's tracebacks included).
+    handler.addFilter(RedactingFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import orjson
 
-from gateway.responses import HttpError
+from gateway.errors import InvalidRequest
 
 __all__ = ["ENDPOINTS", "Endpoint", "parse_request"]
 
@@ -88,33 +88,29 @@ def _param_of(path: str) -> str | None:
 def parse_request(body: bytes, endpoint: Endpoint) -> dict[str, Any]:
     """Parses and validates a request body; returns it as a dict to forward."""
     if not body.strip():
-        raise HttpError(400, "invalid_request", "The request body is empty; send a JSON object.")
+        raise InvalidRequest("The request body is empty; send a JSON object.")
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise HttpError(
-            400, "invalid_request", f"The request body is not valid JSON: {exc.msg}"
-        ) from None
+        raise InvalidRequest(f"The request body is not valid JSON: {exc.msg}") from None
     if not isinstance(data, dict):
-        raise HttpError(400, "invalid_request", "The request body must be a JSON object.")
+        raise InvalidRequest("The request body must be a JSON object.")
     try:
         msgspec.convert(data, endpoint.schema)
     except msgspec.ValidationError as exc:
         text = str(exc)
         message, _, where = text.partition(" - at `")
         param = _param_of(where.rstrip("`")) if where else None
-        raise HttpError(
-            400,
-            "invalid_request",
+        raise InvalidRequest(
             f"Invalid request: {message}" + (f" (at '{param}')" if param else ""),
             param=param,
         ) from None
     if not data["model"].strip() or any(ord(c) < 0x20 for c in data["model"]):
-        raise HttpError(400, "invalid_request", "'model' must be a plain name.", param="model")
+        raise InvalidRequest("'model' must be a plain name.", param="model")
     # A NUL can only arrive as the escape \u0000; check the parsed strings only when the
     # escape appears at all, so ordinary bodies pay one bytes search.
     if b"\\u0000" in body and _has_nul(data):
-        raise HttpError(400, "invalid_request", "Strings must not contain NUL (U+0000).")
+        raise InvalidRequest("Strings must not contain NUL (U+0000).")
     if data.get("stream") and not endpoint.streams:
-        raise HttpError(400, "invalid_request", "This endpoint does not stream.", param="stream")
+        raise InvalidRequest("This endpoint does not stream.", param="stream")
     return data

@@ -8,11 +8,16 @@ per request and can never drift from the scheduler's own counters.
 Labels are bounded: pool and instance names come from the config, priority and state from
 the core's enums, `code` is an HTTP status, `reason` one of a fixed set, `kind` prompt or
 completion. No key, prompt, URL or client-chosen string ever becomes a label.
+
+When tracing is on (`gateway.telemetry`), the latency histograms — queue wait, upstream
+latency, time to first byte — carry the sampled request's trace id as an OpenMetrics exemplar
+(`{trace_id="..."}`); they show in the OpenMetrics exposition, which `exposition(accept)`
+answers to a scraper that asks for `application/openmetrics-text` (Prometheus does when
+exemplar storage is on). The classic text format has no exemplars and stays the default.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -24,17 +29,18 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 
 from gateway import __version__
-from gateway._core import Priority
 
 if TYPE_CHECKING:
     from gateway.runtime import Runtime
 
-__all__ = ["CONTENT_TYPE", "Metrics"]
+__all__ = ["CONTENT_TYPE", "OPENMETRICS_CONTENT_TYPE", "Metrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OPENMETRICS_CONTENT_TYPE = openmetrics.CONTENT_TYPE_LATEST
 
 # Queue waits span 0 (idle gateway) to minutes (batch backlog); LLM latencies 50 ms to minutes.
 _WAIT_BUCKETS = (
@@ -58,7 +64,7 @@ _WAIT_BUCKETS = (
 )
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 
-_STATES = ("healthy", "half_open", "ejected")
+_STATES = ("healthy", "half_open", "ejected", "cooling")
 REASONS = (
     "queue_full",
     "queue_timeout",
@@ -70,6 +76,9 @@ REASONS = (
     "request_too_large",
     "request_timeout",
     "draining",
+    "overloaded",
+    "malformed_request",
+    "internal_error",
 )
 
 
@@ -116,25 +125,20 @@ class _CoreCollector(Collector):
             "Low grants forced by the starvation guard",
             labels=["pool"],
         )
-        now = time.monotonic_ns() // 1_000_000
         for name, pool in runtime.pools.items():
-            core = pool.scheduler.core
-            depth.add_metric([name, "high"], core.queued(Priority.HIGH))
-            depth.add_metric([name, "low"], core.queued(Priority.LOW))
-            stats = core.stats()
-            grants.add_metric([name, "high"], stats.granted_high)
-            grants.add_metric([name, "low"], stats.granted_low)
-            forced.add_metric([name], stats.forced_low)
-            for idx, up in enumerate(pool.upstreams):
-                info = core.instance(idx, now)
-                if info.removed and info.in_flight == 0:
-                    continue
-                in_flight.add_metric([name, up.name], info.in_flight)
-                capacity.add_metric([name, up.name], info.max_concurrency)
-                ejections.add_metric([name, up.name], info.ejections)
-                label = info.state.label
+            snap = pool.snapshot()
+            depth.add_metric([name, "high"], snap.queued_high)
+            depth.add_metric([name, "low"], snap.queued_low)
+            grants.add_metric([name, "high"], snap.granted_high)
+            grants.add_metric([name, "low"], snap.granted_low)
+            forced.add_metric([name], snap.forced_low)
+            for inst in snap.instances:
+                labels = [name, inst.name]
+                in_flight.add_metric(labels, inst.in_flight)
+                capacity.add_metric(labels, inst.max_concurrency)
+                ejections.add_metric(labels, inst.ejections)
                 for s in _STATES:
-                    state.add_metric([name, up.name, s], 1.0 if s == label else 0.0)
+                    state.add_metric([*labels, s], 1.0 if s == inst.state else 0.0)
         yield from (depth, in_flight, capacity, state, ejections, grants, forced)
 
 
@@ -217,13 +221,31 @@ class Metrics:
     def request_done(self, pool: str | None, priority: str | None, status: int) -> None:
         self._child(self.requests, pool or "", priority or "", str(status)).inc()
 
-    def waited(self, pool: str, priority: str, seconds: float) -> None:
-        self._child(self.queue_wait, pool, priority).observe(seconds)
+    def waited(
+        self, pool: str, priority: str, seconds: float, trace_id: str | None = None
+    ) -> None:
+        """A slot grant after `seconds` in the queue; `trace_id` (hex, of a sampled trace)
+        becomes the bucket's exemplar."""
+        child = self._child(self.queue_wait, pool, priority)
+        if trace_id is None:
+            child.observe(seconds)
+        else:
+            child.observe(seconds, {"trace_id": trace_id})
 
-    def attempt(self, pool: str, instance: str, ttfb: float | None, total: float) -> None:
+    def attempt(
+        self,
+        pool: str,
+        instance: str,
+        ttfb: float | None,
+        total: float,
+        trace_id: str | None = None,
+    ) -> None:
+        """One finished attempt; `trace_id` (hex, of a sampled trace) becomes the exemplar of
+        both histograms' buckets."""
+        exemplar = None if trace_id is None else {"trace_id": trace_id}
         if ttfb is not None:
-            self._child(self.ttfb, pool, instance).observe(ttfb)
-        self._child(self.upstream_latency, pool, instance).observe(total)
+            self._child(self.ttfb, pool, instance).observe(ttfb, exemplar)
+        self._child(self.upstream_latency, pool, instance).observe(total, exemplar)
 
     def retry(self, pool: str) -> None:
         self._child(self.retries, pool).inc()
@@ -245,4 +267,28 @@ class Metrics:
             self.last_reload_time.set_to_current_time()
 
     def render(self) -> bytes:
+        """The classic Prometheus text format (0.0.4)."""
         return generate_latest(self.registry)
+
+    def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
+        """`(body, content_type)` for a scrape with this `Accept` header: OpenMetrics 1.0
+        (with exemplars) when the scraper lists `application/openmetrics-text`, else the
+        classic text format."""
+        if accept and "application/openmetrics-text" in accept:
+            for item in accept.split(","):
+                media, _, params = item.partition(";")
+                if media.strip().lower() == "application/openmetrics-text" and not _q_zero(params):
+                    return openmetrics.generate_latest(self.registry), OPENMETRICS_CONTENT_TYPE
+        return generate_latest(self.registry), CONTENT_TYPE
+
+
+def _q_zero(params: str) -> bool:
+    """Whether media-type parameters hold `q=0` (RFC 9110: "not acceptable")."""
+    for param in params.split(";"):
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "q":
+            try:
+                return float(value.strip()) == 0.0
+            except ValueError:
+                return False
+    return False

@@ -1,7 +1,8 @@
 """Every error the gateway answers, built in one place so each has OpenAI's shape.
 
 SPEC §7: `{"error": {"message", "type", "param", "code"}}` — `ErrorResponse` in OpenAI's
-published OpenAPI description.
+published OpenAPI description. `ANSWERS` is the one table from a domain error (errors.py) to
+its HTTP status, `code` and `type`; `Retry-After` and extra headers come from the error.
 """
 
 from __future__ import annotations
@@ -12,48 +13,53 @@ from collections.abc import Mapping
 import orjson
 from aiohttp import web
 
-__all__ = ["HttpError", "error_body", "error_response", "sse_error_event"]
+from gateway import errors as e
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
+__all__ = ["ANSWERS", "NOSNIFF", "answer_of", "error_body", "error_response", "sse_error_event"]
+
+#: Every response: a browser never sniffs a type (the dashboard shares the origin).
+NOSNIFF = "nosniff"
+
+#: SPEC §7's error table: domain error → (status, code, type).
+ANSWERS: dict[type[e.GatewayError], tuple[int, str, str]] = {
+    e.InvalidRequest: (400, "invalid_request", "invalid_request_error"),
+    e.InvalidConfig: (400, "invalid_config", "invalid_request_error"),
+    e.Unauthorized: (401, "invalid_api_key", "authentication_error"),
+    e.ModelNotFound: (404, "model_not_found", "invalid_request_error"),
+    e.NotFound: (404, "not_found", "invalid_request_error"),
+    e.MethodNotAllowed: (405, "method_not_allowed", "invalid_request_error"),
+    e.RequestTimeout: (408, "request_timeout", "invalid_request_error"),
+    e.RequestTooLarge: (413, "request_too_large", "invalid_request_error"),
+    e.RateLimited: (429, "rate_limited", "rate_limit_error"),
+    e.InternalError: (500, "internal_error", "server_error"),
+    e.UpstreamFailed: (502, "upstream_error", "server_error"),
+    e.QueueFull: (503, "queue_full", "server_error"),
+    e.QueueTimeout: (503, "queue_timeout", "server_error"),
+    e.NoHealthyInstance: (503, "no_healthy_instance", "server_error"),
+    e.Overloaded: (503, "overloaded", "server_error"),
+    e.Draining: (503, "draining", "server_error"),
+    e.UpstreamTimedOut: (504, "upstream_timeout", "server_error"),
 }
 
-
-def _type_of(status: int) -> str:
-    return _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+_INTERNAL = ANSWERS[e.InternalError]
 
 
-class HttpError(Exception):
-    """Raised anywhere on the request path; the ingress turns it into an error response."""
-
-    def __init__(
-        self,
-        status: int,
-        code: str,
-        message: str,
-        *,
-        param: str | None = None,
-        retry_after_ms: int | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.param = param
-        self.retry_after_ms = retry_after_ms
+def answer_of(err: e.GatewayError) -> tuple[int, str, str]:
+    """(status, code, type) of an error: its class's row, or the nearest ancestor's."""
+    for cls in type(err).__mro__:
+        row = ANSWERS.get(cls)
+        if row is not None:
+            return row
+    return _INTERNAL
 
 
 def error_body(status: int, code: str, message: str, param: str | None = None) -> bytes:
-    return orjson.dumps(
-        {"error": {"message": message, "type": _type_of(status), "param": param, "code": code}}
-    )
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    for row in ANSWERS.values():
+        if row[0] == status and row[1] == code:
+            kind = row[2]
+            break
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
 def retry_after_seconds(ms: int) -> str:
@@ -61,16 +67,24 @@ def retry_after_seconds(ms: int) -> str:
     return str(max(1, math.ceil(ms / 1000)))
 
 
-def error_response(err: HttpError, headers: Mapping[str, str] | None = None) -> web.Response:
+def error_response(err: e.GatewayError, headers: Mapping[str, str] | None = None) -> web.Response:
+    """The client's answer to `err`, with `headers` (the exchange's) and the error's own."""
+    status, code, kind = answer_of(err)
     out = dict(headers or {})
-    if err.retry_after_ms is not None:
-        out["Retry-After"] = retry_after_seconds(err.retry_after_ms)
-    return web.Response(
-        status=err.status,
-        body=error_body(err.status, err.code, err.message, err.param),
-        content_type="application/json",
-        headers=out,
-    )
+    out["X-Content-Type-Options"] = NOSNIFF
+    param: str | None = None
+    message = str(err)
+    if isinstance(err, e.RequestError):
+        out.update(err.headers)
+        param = err.param
+        message = err.message
+    elif status == 500:
+        message = "Internal gateway error."
+    wait = e.retry_after_ms(err) if status in (429, 503) else None
+    if wait is not None:
+        out["Retry-After"] = retry_after_seconds(wait)
+    body = orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
+    return web.Response(status=status, body=body, content_type="application/json", headers=out)
 
 
 def sse_error_event(code: str, message: str) -> bytes:

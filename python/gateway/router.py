@@ -13,7 +13,7 @@ from typing import Any
 from gateway._core import Priority
 from gateway.classify import ComplexityClassifier, header_value
 from gateway.config import Config
-from gateway.responses import HttpError
+from gateway.errors import InvalidRequest, ModelNotFound
 
 __all__ = ["Decision", "Router"]
 
@@ -70,9 +70,7 @@ class Router:
     ) -> Decision:
         spec = self.config.models.get(alias) if isinstance(alias, str) else None
         if spec is None:
-            raise HttpError(
-                404,
-                "model_not_found",
+            raise ModelNotFound(
                 f"The model {_quote(alias)} does not exist on this gateway; "
                 f"GET /v1/models lists the served models.",
                 param="model",
@@ -82,9 +80,7 @@ class Router:
         if header_cx is not None:
             complexity = header_cx.strip().lower()
             if complexity not in ("simple", "complex"):
-                raise HttpError(
-                    400,
-                    "invalid_request",
+                raise InvalidRequest(
                     "X-Complexity must be 'simple' or 'complex'",
                     param="X-Complexity",
                 )
@@ -113,9 +109,7 @@ class Router:
         if raw is not None:
             p = _PRIORITY_HEADER.get(raw.strip().lower())
             if p is None:
-                raise HttpError(
-                    400,
-                    "invalid_request",
+                raise InvalidRequest(
                     "X-Priority must be one of high, low, realtime, batch",
                     param="X-Priority",
                 )

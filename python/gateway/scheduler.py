@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterable
 
 from gateway import _core
 from gateway._core import InstanceState, Outcome, Priority
-from gateway.errors import GatewayError, NoHealthyInstance
+from gateway.errors import DEFAULT_RETRY_AFTER_MS, GatewayError, NoHealthyInstance, QueueTimeout
 
-__all__ = ["Draining", "PoolScheduler", "QueueTimeout", "Unservable", "now_ms"]
+__all__ = ["PoolScheduler", "Unservable", "now_ms"]
 
+_MAX_PAUSE_MS = 2**53
 _EXPIRED = _core.EXPIRED
 _UNSERVABLE = _core.UNSERVABLE
 
@@ -25,17 +27,6 @@ _UNSERVABLE = _core.UNSERVABLE
 def now_ms() -> int:
     """The monotonic clock every core call is given, in milliseconds."""
     return time.monotonic_ns() // 1_000_000
-
-
-class QueueTimeout(GatewayError):
-    """SPEC §3 "Deadlines": waited longer than the class's `max_wait_ms`."""
-
-    def __init__(self, retry_after_ms: int) -> None:
-        super().__init__("waited longer than the queue's max_wait_ms", retry_after_ms)
-
-
-class Draining(GatewayError):
-    """The drain deadline passed while the request waited."""
 
 
 class Unservable(NoHealthyInstance):
@@ -99,7 +90,10 @@ class PoolScheduler:
 
     def release(self, ticket: int, outcome: Outcome, retry_after_ms: int = 0) -> None:
         """An attempt ended; the freed slot goes to whoever the core picks."""
-        self.deliver(self.core.release(ticket, outcome, now_ms(), retry_after_ms))
+        # The core clamps the pause to max_ejection_ms; this only keeps the value inside
+        # the u64 it crosses the boundary as (an overflow there would lose the slot).
+        pause = min(max(0, retry_after_ms), _MAX_PAUSE_MS)
+        self.deliver(self.core.release(ticket, outcome, now_ms(), pause))
 
     def record_probe(self, index: int, ok: bool) -> None:
         self.deliver(self.core.record_probe(index, ok, now_ms()))
@@ -111,7 +105,10 @@ class PoolScheduler:
     def _transitions(self) -> None:
         for index, state in self.core.take_transitions():
             if self.on_transition is not None:
-                self.on_transition(index, state)
+                try:
+                    self.on_transition(index, state)
+                except Exception:  # a report failing must not lose the events with it
+                    logging.getLogger("gateway.health").exception("transition report failed")
 
     def deliver(self, events: Iterable[tuple[int, int]]) -> None:
         """Resolves the futures of the tickets the core moved (and reports state changes)."""
@@ -131,11 +128,32 @@ class PoolScheduler:
                     fut.set_result(code)
             elif waiter is not None and fut is not None and not fut.done():
                 if code == _EXPIRED:
-                    fut.set_exception(QueueTimeout(self.retry_after(waiter[1])))
+                    fut.set_exception(
+                        QueueTimeout(
+                            "Waited longer than the queue allows; retry later.",
+                            retry_after_ms=self.retry_after(waiter[1]),
+                        )
+                    )
                 elif code == _UNSERVABLE:
-                    fut.set_exception(Unservable(1000))
+                    fut.set_exception(Unservable(self._unavailable_ms()))
         if (delivered and self._waiters) or self._timer is not None:
             self._arm()
+
+    def _unavailable_ms(self) -> int:
+        """SPEC §6: "the time until the earliest instance may be tried" (at least 1 s)."""
+        now = now_ms()
+        core = self.core
+        waits = [
+            info.next_try_ms - now
+            for i in range(core.instance_count)
+            if not (info := core.instance(i, now)).removed
+        ]
+        return max(DEFAULT_RETRY_AFTER_MS, min(waits, default=DEFAULT_RETRY_AFTER_MS))
+
+    @property
+    def waiters(self) -> int:
+        """Requests awaiting an answer from the core (0 on a quiet gateway)."""
+        return len(self._waiters)
 
     def retry_after(self, priority: Priority) -> int:
         """The core's estimate of the wait for a new request of this class, in ms."""
@@ -162,14 +180,14 @@ class PoolScheduler:
         self._timer = self._timer_at = None
         self.tick()
 
-    def fail_all_waiting(self, exc_factory: type[GatewayError], *args: object) -> int:
+    def fail_all_waiting(self, make: Callable[[], GatewayError]) -> int:
         """Answers every waiter with an error (drain deadline, pool removed)."""
         n = 0
         for ticket in list(self._waiters):
             if self.core.cancel(ticket):
                 fut, _ = self._waiters.pop(ticket)
                 if not fut.done():
-                    fut.set_exception(exc_factory(*args))
+                    fut.set_exception(make())
                 n += 1
         return n
 

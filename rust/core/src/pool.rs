@@ -438,7 +438,10 @@ impl Pool {
         inst.breaker
             .on_outcome(&self.cfg.health, outcome, epoch, trial, now);
         if retry_after_ms > 0 {
-            inst.breaker.cool(now.saturating_add(retry_after_ms));
+            // SPEC §16: "an upstream `Retry-After` is clamped to `health.max_ejection_ms`": an
+            // upstream cannot take itself out for longer than the gateway would eject it.
+            let pause = retry_after_ms.min(self.cfg.health.max_ejection_ms);
+            inst.breaker.cool(now.saturating_add(pause));
         }
         let after = inst.breaker.state();
         if after != before {

@@ -1,0 +1,177 @@
+"""The operator's side of the HTTP surface (SPEC §7): liveness, readiness, `/admin/state`,
+`/admin/reload`, `/metrics` and the dashboard. Everything here reads pool snapshots; nothing
+reaches into a pool's core."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from gateway import __version__
+from gateway.auth import KeyRing
+from gateway.config import load_config
+from gateway.dashboard import render as render_dashboard
+from gateway.errors import ConfigError, InvalidConfig
+from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from gateway.pool import InstanceSnapshot, PoolSnapshot, now_ms
+from gateway.redact import REDACTOR, secrets_of
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+__all__ = ["Admin"]
+
+log = logging.getLogger("gateway")
+
+_JSON = "application/json"
+
+
+class Admin:
+    """The admin routes of one gateway."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    def routes(self) -> dict[tuple[str, str], Any]:
+        return {
+            ("GET", "/livez"): self.livez,
+            ("GET", "/healthz"): self.livez,
+            ("GET", "/readyz"): self.readyz,
+            ("GET", "/admin/state"): self.admin_state,
+            ("GET", "/dashboard"): self.dashboard,
+            ("POST", "/admin/reload"): self.admin_reload,
+            ("GET", "/metrics"): self.metrics,
+        }
+
+    async def livez(self, request: web.BaseRequest) -> web.StreamResponse:
+        return web.Response(body=b'{"status":"ok"}', content_type=_JSON)
+
+    def ready(self) -> tuple[bool, str]:
+        """SPEC §7: ready once config is loaded, at least one instance per pool is not
+        ejected, and not draining."""
+        if self.gw.draining:
+            return False, "draining"
+        now = now_ms()
+        for name, pool in self.gw.runtime.pools.items():
+            if not pool.snapshot(now).ready:
+                return False, f"every instance of pool {name} is ejected"
+        return True, "ready"
+
+    async def readyz(self, request: web.BaseRequest) -> web.StreamResponse:
+        ok, reason = self.ready()
+        body = orjson.dumps({"status": "ready" if ok else "not_ready", "reason": reason})
+        return web.Response(status=200 if ok else 503, body=body, content_type=_JSON)
+
+    def state(self) -> dict[str, Any]:
+        """The /admin/state document (SPEC §7 shape, plus counters)."""
+        now = now_ms()
+        # Monotonic core times become Unix times for people.
+        offset = time.time() - now / 1000
+        sched = self.gw.runtime.config.scheduler
+        pools: dict[str, Any] = {}
+        for name, pool in self.gw.runtime.pools.items():
+            snap = pool.snapshot(now)
+            pools[name] = _pool_doc(snap, offset) | {
+                "queue_capacity": {"high": sched.high.capacity, "low": sched.low.capacity}
+            }
+        return {
+            "pools": pools,
+            "buffered_bytes": self.gw.buffered_bytes,
+            "draining": self.gw.draining,
+            "version": __version__,
+            "now": round(time.time(), 3),
+        }
+
+    async def admin_state(self, request: web.BaseRequest) -> web.StreamResponse:
+        self.gw.keys.authenticate_admin(request.headers)
+        return web.Response(body=orjson.dumps(self.state()), content_type=_JSON)
+
+    async def reload(self) -> tuple[bool, str, list[str]]:
+        """Re-reads the config file; applies it only if it is entirely valid (SPEC §8).
+        Returns (applied, message, notes); on failure the running config stays."""
+        gw = self.gw
+        if gw.config_path is None:
+            return False, "the gateway was not started from a config file", []
+        try:
+            config = await asyncio.to_thread(load_config, gw.config_path)
+        except ConfigError as exc:
+            gw.metrics.reloaded(False)
+            log.error("config reload failed", extra={"fields": {"reason": str(exc)}})
+            return False, str(exc), []
+        REDACTOR.add(secrets_of(config))
+        notes = gw.runtime.reload(config)
+        # The previous ring: unchanged keys keep their RPM/TPM buckets and tenant indexes
+        # (queued requests carry them).
+        gw.keys = KeyRing(config, previous=gw.keys)
+        gw.metrics.reloaded(True)
+        await gw.runtime.collect()
+        log.info(
+            "config reloaded",
+            extra={"fields": {"pools": ",".join(config.pools), "notes": "; ".join(notes) or None}},
+        )
+        return True, "reloaded", notes
+
+    async def admin_reload(self, request: web.BaseRequest) -> web.StreamResponse:
+        self.gw.keys.authenticate_admin(request.headers)
+        ok, message, notes = await self.reload()
+        if not ok:
+            raise InvalidConfig(f"Config not reloaded: {message}")
+        body = orjson.dumps({"status": "reloaded", "notes": notes})
+        return web.Response(body=body, content_type=_JSON)
+
+    async def metrics(self, request: web.BaseRequest) -> web.StreamResponse:
+        resp = web.Response(body=self.gw.metrics.render())
+        resp.headers["Content-Type"] = METRICS_CONTENT_TYPE
+        return resp
+
+    async def dashboard(self, request: web.BaseRequest) -> web.StreamResponse:
+        # The page itself holds no data; it asks /admin/state (with the admin key, when
+        # auth is on) from the browser.
+        return web.Response(
+            body=render_dashboard(),
+            content_type="text/html",
+            charset="utf-8",
+            headers={"Cache-Control": "no-store"},
+        )
+
+
+def _unix(ms: int | None, offset: float) -> float | None:
+    return None if ms is None else round(ms / 1000 + offset, 3)
+
+
+def _instance_doc(i: InstanceSnapshot, offset: float) -> dict[str, Any]:
+    last = i.last_error
+    return {
+        "name": i.name,
+        "state": i.state,
+        "in_flight": i.in_flight,
+        "max_concurrency": i.max_concurrency,
+        "consecutive_failures": i.consecutive_failures,
+        "ejected_until": _unix(i.ejected_until_ms, offset),
+        "cooling_until": _unix(i.cooling_until_ms, offset),
+        "next_try_at": _unix(i.next_try_ms, offset),
+        "ejections": i.ejections,
+        "removed": i.removed,
+        "last_error": REDACTOR.redact(last[1]) if last else None,
+        "last_error_at": round(last[0], 3) if last else None,
+    }
+
+
+def _pool_doc(snap: PoolSnapshot, offset: float) -> dict[str, Any]:
+    return {
+        "queued": {"high": snap.queued_high, "low": snap.queued_low},
+        "in_flight": snap.in_flight,
+        "granted": {"high": snap.granted_high, "low": snap.granted_low},
+        "forced_low_grants": snap.forced_low,
+        "expired": snap.expired,
+        "cancelled": snap.cancelled,
+        "rejected_full": snap.rejected_full,
+        "drain_rate_per_s": round(snap.drain_rate_per_s, 3),
+        "fallback": snap.fallback,
+        "instances": [_instance_doc(i, offset) for i in snap.instances],
+    }

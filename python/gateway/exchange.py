@@ -1,0 +1,64 @@
+"""What is known about one request on its way through; becomes its headers and log line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gateway._core import Priority
+from gateway.deadline import Watchdog
+from gateway.router import Decision
+
+__all__ = ["Exchange"]
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One request: its decision, where it went, and how it went."""
+
+    request_id: str
+    started: float
+    watchdog: Watchdog
+    decision: Decision | None = None
+    pool: str | None = None
+    instance: str | None = None
+    queue_ms: float = 0.0
+    upstream_ms: float = 0.0
+    attempts: int = 0
+    waited_as: Priority | None = None
+    status: int = 0
+    error: str | None = None
+    usage: dict[str, Any] | None = None
+    # The current attempt's time to first byte (head, or first stream chunk), seconds.
+    ttfb: float | None = None
+    limit_headers: dict[str, str] | None = None
+    spilled_from: str | None = None
+    # Why the current attempt failed after the response started (for /admin/state).
+    attempt_error: str | None = None
+
+    def begin_attempt(self) -> None:
+        """Forgets what the previous attempt learned (a retry starts afresh)."""
+        self.ttfb = None
+        self.usage = None
+        self.attempt_error = None
+
+    @property
+    def priority_label(self) -> str | None:
+        d = self.decision
+        return (self.waited_as or d.priority).label if d is not None else None
+
+    def headers(self) -> dict[str, str]:
+        h = {"X-Request-Id": self.request_id}
+        d = self.decision
+        if d is not None:
+            h["X-Gateway-Pool"] = self.pool or d.pool
+            h["X-Gateway-Priority"] = (self.waited_as or d.priority).label
+            h["X-Gateway-Complexity"] = d.complexity_header
+        if self.instance is not None:
+            h["X-Gateway-Instance"] = self.instance
+            h["X-Gateway-Queue-Ms"] = f"{self.queue_ms:.1f}"
+        if self.spilled_from is not None:
+            h["X-Gateway-Spilled-From"] = self.spilled_from
+        if self.limit_headers:
+            h.update(self.limit_headers)
+        return h

@@ -1,0 +1,483 @@
+"""Forwarding: one attempt of one request against one upstream instance.
+
+The ingress (`app.py`) reads, routes, queues and answers; this module sends the request to the
+instance the core granted and turns what comes back into either the response for the client
+or an `AttemptError` (a failure before any byte reached the client, so it may be retried
+elsewhere). It owns the rules that decide what an upstream answer *means*:
+
+- SPEC §6: 5xx, 408 and 429 are the instance's failures, 4xx other than those pass through;
+  a redirect is never followed (a misconfigured instance); an upstream 401/403 is the gateway's
+  own upstream key being wrong (SPEC §7: 502 `upstream_error`, never the client's 401);
+- SPEC §6: "An upstream answering HTTP 200 with an error body ... is treated as that error";
+  a non-streamed success that is not a JSON object is garbage, not an answer;
+- SPEC §16: a non-streamed body is bounded by `limits.max_response_bytes`, one SSE event by
+  `limits.max_event_bytes`; `Retry-After` is clamped to `health.max_ejection_ms`;
+- SPEC §6: a started stream is never retried; its failure ends it with an error event.
+
+The slot is released exactly once whatever happens, and that release cannot raise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import email.utils
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+import orjson
+from aiohttp import web
+
+from gateway._core import Outcome
+from gateway.deadline import Watchdog
+from gateway.exchange import Exchange
+from gateway.http1 import BodyTooLarge, Response
+from gateway.messages import Endpoint
+from gateway.metrics import Metrics
+from gateway.pool import Pool
+from gateway.redact import Redactor
+from gateway.responses import NOSNIFF, sse_error_event
+from gateway.runtime import Runtime
+from gateway.sse import MalformedEvent, SseChecker
+from gateway.upstream import AttemptError, Upstream
+
+__all__ = [
+    "AttemptError",
+    "Forwarder",
+    "UpstreamBody",
+    "inspect_body",
+    "normalize_error",
+    "parse_retry_after_ms",
+    "upstream_error_of",
+]
+
+T = TypeVar("T")
+log = logging.getLogger("gateway")
+
+_JSON = "application/json"
+
+#: Body fields that could steer a request elsewhere; never forwarded (SPEC §7).
+URL_FIELDS = frozenset(("api_base", "base_url", "api_key", "organization", "extra_headers"))
+
+
+class UpstreamBody:
+    """The upstream request body, encoded once per request rather than once per attempt: the
+    client's JSON without URL-like fields, with each instance's `model` spliced in front.
+
+    Holding this instead of the raw body and its parsed form keeps one copy of a queued
+    request's bytes (SPEC §16 counts them against `limits.max_buffered_bytes`).
+    Raises `orjson.JSONEncodeError` for what cannot be re-encoded (nesting deeper than 254).
+    """
+
+    __slots__ = ("_rest", "size", "stream")
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.stream = bool(data.get("stream"))
+        rest = orjson.dumps({k: v for k, v in data.items() if k not in URL_FIELDS and k != "model"})
+        self._rest = rest[1:]  # after the `{`: `"k":v,...}` or just `}`
+        self.size = len(rest)
+
+    def for_model(self, model: str) -> bytes:
+        rest = self._rest
+        head = b'{"model":' + orjson.dumps(model)
+        return head + b"}" if rest == b"}" else head + b"," + rest
+
+
+def parse_retry_after_ms(headers: Any, cap_ms: int) -> int:
+    """`retry-after-ms`, or `Retry-After` as seconds or an HTTP date, in ms within
+    [0, cap_ms]; 0 when absent or not a number. SPEC §16: clamped to `health.max_ejection_ms`
+    (an absurd value must neither overflow into the core nor pause an instance for a day)."""
+    raw = headers.get("retry-after-ms")
+    value: float | None = None
+    if raw:
+        with contextlib.suppress(ValueError):
+            value = float(raw)
+    if value is None:
+        raw = headers.get("Retry-After")
+        if not raw:
+            return 0
+        raw = raw.strip()
+        if raw.isascii() and raw.isdigit():
+            value = float(raw) * 1000 if len(raw) < 16 else math.inf
+        else:
+            try:
+                when = email.utils.parsedate_to_datetime(raw)
+                value = (when.timestamp() - time.time()) * 1000
+            except (TypeError, ValueError, OverflowError, IndexError):
+                return 0
+    if math.isnan(value) or value <= 0:
+        return 0
+    return int(min(value, cap_ms))
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    total_tokens: int | None = None
+
+
+class _Outline(msgspec.Struct):
+    """The few fields of a response body the gateway reads; the rest is skipped unparsed."""
+
+    usage: _Usage | None = None
+    error_code: int | str | None = None
+    error_msg: str | None = None
+    error: Any = None
+    # Present or not is all that matters: kept raw, never turned into Python objects.
+    choices: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    data: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+
+
+_outline = msgspec.json.Decoder(_Outline)
+
+
+class NotJson(ValueError):
+    """A success body that is not a JSON object."""
+
+
+def inspect_body(body: bytes) -> tuple[str | None, dict[str, Any] | None]:
+    """One parse of a complete upstream JSON body: the error it reports inside an HTTP 200,
+    if any, and its `usage`. Raises `NotJson` for a body that is not a JSON object.
+
+    SPEC §6: "An upstream answering HTTP 200 with an error body (Qianfan v1 reports rate limits
+    as 200 with `{"error_code": 336501}`) is treated as that error, not as success."
+    """
+    try:
+        out = _outline.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        raise NotJson("the upstream's answer was not a JSON object") from None
+    usage = msgspec.structs.asdict(out.usage) if out.usage is not None else None
+    if out.error_code:
+        return f"error_code {out.error_code}: {out.error_msg or ''}"[:300], usage
+    err = out.error
+    if err and out.choices is msgspec.UNSET and out.data is msgspec.UNSET:
+        msg = err.get("message", "") if isinstance(err, dict) else str(err)
+        return f"upstream error: {msg}"[:300], usage
+    return None, usage
+
+
+def upstream_error_of(body: bytes) -> str | None:
+    """The error an upstream reported inside a JSON body, if any; `None` otherwise."""
+    if b'"error' not in body:
+        return None
+    with contextlib.suppress(NotJson):
+        return inspect_body(body)[0]
+    return None
+
+
+def normalize_error(body: bytes, status: int) -> bytes:
+    """An upstream's error body in OpenAI's shape `{"error": {message, type, param, code}}`.
+
+    Providers differ: vLLM answers `{"object": "error", "message", "type", "code": 400}` (an
+    integer code), Qianfan v1 `{"error_code": 336003, "error_msg": ...}`, DashScope's native
+    API `{"code": "InvalidParameter", "message": ...}`. Clients of this gateway see one shape.
+    """
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        data = None
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    message: Any = None
+    code: Any = None
+    etype: Any = kind
+    param: Any = None
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict):
+            message, etype = err.get("message"), err.get("type") or kind
+            param, code = err.get("param"), err.get("code")
+        elif "error_code" in data:
+            message, code = data.get("error_msg"), data.get("error_code")
+        elif "message" in data:
+            message, code = data.get("message"), data.get("code")
+            etype = data.get("type") or kind
+        elif isinstance(err, str):
+            message = err
+    if not isinstance(message, str) or not message:
+        message = f"upstream answered HTTP {status}"
+    return orjson.dumps(
+        {
+            "error": {
+                "message": message[:2000],
+                "type": etype if isinstance(etype, str) else kind,
+                "param": param if isinstance(param, str) else None,
+                "code": None if code is None else str(code)[:200],
+            }
+        }
+    )
+
+
+class Forwarder:
+    """Runs attempts for the ingress; see the module docstring."""
+
+    def __init__(
+        self,
+        runtime: Callable[[], Runtime],
+        metrics: Metrics,
+        redactor: Redactor,
+        hard_stopped: Callable[[], bool],
+    ) -> None:
+        self._runtime = runtime
+        self._metrics = metrics
+        self._redactor = redactor
+        self._hard_stopped = hard_stopped
+
+    def _scrub(self, upstream: Upstream, text: str) -> str:
+        """Upstream-derived text about to leave the gateway, without any secret in it."""
+        return self._redactor.redact(upstream.scrub(text.encode("utf-8", "replace")).decode())
+
+    async def attempt(
+        self,
+        request: web.BaseRequest,
+        ex: Exchange,
+        endpoint: Endpoint,
+        body: UpstreamBody,
+        pool: Pool,
+        idx: int,
+        ticket: int,
+    ) -> web.StreamResponse | AttemptError:
+        """One try on one instance. Returns the response sent to the client, or the error
+        when the attempt failed before any byte reached the client (so it may be retried).
+        The slot is released exactly once, with the outcome, whatever happens."""
+        upstream = pool.upstream(idx)
+        config = self._runtime().config
+        timeouts = config.timeouts
+        outcome = Outcome.NEUTRAL
+        cool_ms = 0
+        resp_up: Response | None = None
+        watchdog = ex.watchdog
+        loop = watchdog.loop
+        t0 = loop.time()
+        deadline = t0 + timeouts.total_ms / 1000
+        ex.begin_attempt()
+        try:
+            # SPEC §6 timeouts: first byte, then the attempt's total.
+            watchdog.arm(min(t0 + timeouts.first_byte_ms / 1000, deadline))
+            resp_up = await _guarded(
+                upstream.open(endpoint.path, body.for_model(upstream.model)),
+                watchdog,
+                f"{upstream.name} sent no response head in time",
+                "upstream connection failed",
+            )
+            watchdog.arm(deadline)
+            status = resp_up.status
+            ex.ttfb = loop.time() - t0
+            limit = config.limits.max_response_bytes
+            if status >= 500 or status in (401, 403, 408, 429) or 300 <= status < 400:
+                # SPEC §6: 5xx/429 (and 408) are the instance's failures; a redirect is not
+                # followed and means a misconfigured instance; SPEC §7: an upstream 401/403
+                # means the gateway's key for it is wrong, which is not the client's fault.
+                await _read_all(resp_up, watchdog, limit)
+                if status in (429, 503):
+                    cool_ms = parse_retry_after_ms(resp_up.headers, config.health.max_ejection_ms)
+                outcome = Outcome.FAILURE
+                why = "rejected the gateway's credentials" if status in (401, 403) else "answered"
+                return AttemptError(
+                    f"upstream {upstream.name} {why} HTTP {status}",
+                    status=status,
+                    retry_after_ms=cool_ms,
+                )
+            if status >= 400:
+                # SPEC §6: "4xx other than 408/429 is the client's fault and passes through".
+                raw = await _read_all(resp_up, watchdog, limit)
+                safe = self._scrub(upstream, raw.decode("utf-8", "replace")).encode()
+                return web.Response(
+                    status=status,
+                    body=normalize_error(safe, status),
+                    content_type=_JSON,
+                    headers=ex.headers(),
+                )
+            if body.stream and resp_up.content_type == "text/event-stream":
+                result, outcome = await self._relay_stream(
+                    request, ex, resp_up, upstream, t0, deadline, config.limits.max_event_bytes
+                )
+                return result
+            raw = await _read_all(resp_up, watchdog, limit)
+            try:
+                err, ex.usage = inspect_body(raw)
+            except NotJson as exc:
+                outcome = Outcome.FAILURE
+                return AttemptError(f"{upstream.name}: {exc}", status=status)
+            if err is not None:
+                outcome = Outcome.FAILURE
+                return AttemptError(f"{upstream.name}: {self._scrub(upstream, err)}", status=status)
+            outcome = Outcome.SUCCESS
+            # Always JSON, whatever the upstream labelled it: the gateway's origin never
+            # serves an upstream's text/html.
+            return web.Response(status=status, body=raw, content_type=_JSON, headers=ex.headers())
+        except AttemptError as err:
+            outcome = Outcome.FAILURE
+            return err
+        finally:
+            # Nothing below may keep the slot from going back: the release comes first and
+            # each step is on its own.
+            watchdog.disarm()
+            pool.release(ticket, outcome, cool_ms)
+            if resp_up is not None:
+                # An unfinished body means the upstream is still working: closing the
+                # connection cancels it there (client gone, stream failed).
+                resp_up.close() if not resp_up.is_eof() else resp_up.release()
+            self._after(ex, pool, upstream, idx, outcome, loop.time() - t0)
+
+    def _after(
+        self,
+        ex: Exchange,
+        pool: Pool,
+        upstream: Upstream,
+        idx: int,
+        outcome: Outcome,
+        elapsed: float,
+    ) -> None:
+        """Bookkeeping of a finished attempt (never raises: it runs in a `finally`)."""
+        try:
+            if outcome is Outcome.FAILURE and ex.attempt_error is not None:
+                # A failure after the response started (the others are noted by the caller).
+                pool.note_error(idx, ex.attempt_error)
+            ex.upstream_ms += elapsed * 1000
+            self._metrics.attempt(pool.name, upstream.name, ex.ttfb, elapsed)
+            if ex.usage is not None and outcome is Outcome.SUCCESS:
+                self._metrics.used_tokens(pool.name, upstream.name, ex.usage)
+        except Exception:
+            log.exception("attempt bookkeeping failed")
+
+    async def _relay_stream(
+        self,
+        request: web.BaseRequest,
+        ex: Exchange,
+        resp_up: Response,
+        upstream: Upstream,
+        started: float,
+        deadline: float,
+        max_event_bytes: int,
+    ) -> tuple[web.StreamResponse | AttemptError, Outcome]:
+        """SSE passed through chunk by chunk. Until the first byte is written the attempt may
+        still be retried; after it, a failure ends the stream with an error event."""
+        idle = self._runtime().config.timeouts.stream_idle_ms / 1000
+        watchdog = ex.watchdog
+        checker = SseChecker(max_event_bytes)
+        try:
+            first = await _read_chunk(resp_up, watchdog, idle, deadline)
+            # For a stream, the first byte a user feels is the first chunk, not the head.
+            ex.ttfb = watchdog.loop.time() - started
+            if not first:
+                return AttemptError(
+                    f"{upstream.name} closed the stream before any data"
+                ), Outcome.FAILURE
+            reported = upstream_error_of(first) if first.lstrip()[:1] == b"{" else None
+            if reported is not None:
+                reason = self._scrub(upstream, reported)
+                return AttemptError(f"{upstream.name}: {reason}"), Outcome.FAILURE
+            out = checker.feed(first)
+        except AttemptError as err:
+            return err, Outcome.FAILURE
+        except MalformedEvent as err:
+            return AttemptError(f"{upstream.name}: {err}"), Outcome.FAILURE
+        headers = ex.headers()
+        headers.update(
+            {
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+                "X-Content-Type-Options": NOSNIFF,
+            }
+        )
+        resp = web.StreamResponse(status=200, headers=headers)
+        await resp.prepare(request)
+        failure: tuple[str, str] | None = None
+        # The hot loop of a token stream: no coroutine between the upstream read and the
+        # client write but the two themselves (one guard per read, not a wrapper per chunk).
+        arm, clock, readany, write = watchdog.arm, watchdog.loop.time, resp_up.readany, resp.write
+        try:
+            if out:
+                await write(out)
+            while True:
+                arm(min(clock() + idle, deadline))
+                try:
+                    chunk = await readany()
+                except asyncio.CancelledError:
+                    if not watchdog.absorb():
+                        raise
+                    raise AttemptError("upstream stream stalled", timeout=True) from None
+                except OSError as exc:
+                    raise AttemptError(f"upstream cut the stream ({exc})") from None
+                if not chunk:
+                    break
+                out = checker.feed(chunk)
+                if out:
+                    await write(out)
+            out = checker.finish()
+            if out:
+                await write(out)
+        except asyncio.CancelledError:
+            if self._hard_stopped():
+                with contextlib.suppress(Exception):
+                    await resp.write(sse_error_event("draining", "The gateway shut down."))
+                    await resp.write_eof()
+            raise
+        except ConnectionResetError:
+            # The client left mid-stream: nothing to tell it; the upstream is closed after.
+            return resp, Outcome.NEUTRAL
+        except AttemptError as err:
+            failure = ("upstream_timeout" if err.timeout else "upstream_error", str(err))
+        except MalformedEvent as err:
+            failure = ("upstream_error", str(err))
+        except Exception:
+            # A bug of ours mid-stream: the client still gets a proper end, not a cut.
+            log.exception("stream relay failed", extra={"fields": {"id": ex.request_id}})
+            failure = ("internal_error", "the gateway failed while relaying it")
+        ex.usage = checker.usage
+        if failure is not None:
+            # SPEC §6: "its failure ends the stream with an error event ... never a silent
+            # cut, never a fake [DONE]".
+            code, why = failure
+            ex.error = code
+            ex.attempt_error = f"stream failed: {why}"
+            with contextlib.suppress(ConnectionResetError):
+                await resp.write(sse_error_event(code, f"The upstream stream failed: {why}."))
+                await resp.write_eof()
+            return resp, Outcome.FAILURE
+        await resp.write_eof()
+        if checker.upstream_error is not None:
+            # The upstream itself reported an error inside the stream (vLLM does): the
+            # client already has that event; the instance failed this request.
+            ex.error = "upstream_error"
+            ex.attempt_error = "the upstream sent an error event mid-stream"
+            return resp, Outcome.FAILURE
+        return resp, Outcome.SUCCESS
+
+
+async def _guarded(aw: Awaitable[T], watchdog: Watchdog, late: str, broken: str) -> T:
+    """Awaits `aw` within the deadline the watchdog holds: its expiry becomes a timeout
+    `AttemptError`, a connection error a failure one; anyone else's cancellation passes."""
+    try:
+        return await aw
+    except asyncio.CancelledError:
+        if watchdog.absorb():
+            raise AttemptError(late, timeout=True) from None
+        raise
+    except BodyTooLarge:
+        raise AttemptError("the upstream's response exceeded limits.max_response_bytes") from None
+    except OSError as exc:
+        raise AttemptError(f"{broken} ({exc})") from None
+
+
+async def _read_all(resp: Response, watchdog: Watchdog, limit: int) -> bytes:
+    """The whole upstream body, within the attempt's deadline and SPEC §16's bound."""
+    return await _guarded(
+        resp.read(limit),
+        watchdog,
+        "upstream body did not arrive in time",
+        "upstream connection failed",
+    )
+
+
+async def _read_chunk(content: Response, watchdog: Watchdog, idle: float, deadline: float) -> bytes:
+    """The next piece of a stream, within the idle timeout and the attempt's total deadline."""
+    watchdog.arm(min(watchdog.loop.time() + idle, deadline))
+    return await _guarded(
+        content.readany(), watchdog, "upstream stream stalled", "upstream cut the stream"
+    )

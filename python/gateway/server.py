@@ -1,0 +1,160 @@
+"""One gateway server's whole life: the one place a gateway is started and stopped.
+
+uvicorn's `Server(config)` is the model: everything that lives as long as the server — the
+HTTP runner and its listening site, the prober, the janitor that closes drained upstreams, the
+config watcher, signal handlers — is owned here, so the CLI, the demo, the tests and the
+benchmarks run exactly the same server, and a background task or a reload step can never exist
+in one of them only.
+
+    server = Server(config, config_path="gateway.yaml", port=0)
+    await server.start()          # listening; server.url is known
+    ...
+    await server.shutdown()       # SPEC §7 drain, then everything stops
+
+`serve()` is `start()`, wait for SIGTERM/SIGINT (SIGHUP reloads), `shutdown()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Callable
+
+from aiohttp import web
+
+from gateway.app import Gateway
+from gateway.config import Config
+from gateway.health import Prober
+
+__all__ = ["Server"]
+
+log = logging.getLogger("gateway")
+
+_JANITOR_INTERVAL_S = 5.0
+_WATCH_INTERVAL_S = 1.0
+
+
+class Server:
+    """The gateway of one config, listening on one address."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        config_path: str | None = None,
+        host: str | None = None,
+        port: int | None = None,
+        watch: bool = False,
+        backlog: int = 4096,
+    ) -> None:
+        self.gateway = Gateway(config, config_path=config_path)
+        self.host = host or config.listen.host
+        self.port = port if port is not None else config.listen.port
+        self.watch = watch
+        self.backlog = backlog
+        self.prober = Prober(self.gateway.runtime)
+        self._runner: web.ServerRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._tasks: set[asyncio.Task[object]] = set()
+        self._stopped = False
+
+    @property
+    def url(self) -> str:
+        """`http://host:port` once started (the port the OS chose when 0 was asked)."""
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        """Listens and starts the background work; returns once requests are served."""
+        runner = web.ServerRunner(self.gateway.server(), handle_signals=False, shutdown_timeout=1.0)
+        await runner.setup()
+        self._runner = runner
+        site = web.TCPSite(runner, self.host, self.port, backlog=self.backlog, reuse_address=True)
+        await site.start()
+        self._site = site
+        if runner.addresses:
+            self.port = int(runner.addresses[0][1])
+        self.prober.start()
+        self._spawn(self._janitor(), "janitor")
+        if self.watch and self.gateway.config_path is not None:
+            self._spawn(self._watch(self.gateway.config_path), "watcher")
+
+    def _spawn(self, coro: object, name: str) -> asyncio.Task[object]:
+        task: asyncio.Task[object] = asyncio.get_running_loop().create_task(coro, name=name)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def reload_soon(self) -> None:
+        """SPEC §8: re-read the config file in the background (SIGHUP, --watch)."""
+        self._spawn(self.gateway.admin.reload(), "reload")
+
+    async def serve(self, on_listening: Callable[[Server], None] | None = None) -> None:
+        """Runs until SIGTERM or SIGINT, then drains and stops; SIGHUP reloads."""
+        await self.start()
+        if on_listening is not None:
+            on_listening(self)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self.reload_soon)
+        try:
+            await stop.wait()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+            await self.shutdown()
+
+    async def shutdown(self, *, drain: bool = True) -> None:
+        """SPEC §7 "SIGTERM drains", in steps: (1) /readyz turns 503 and the listener closes;
+        (2) in-flight and queued requests finish within the drain deadline, the rest are
+        answered 503 or get a stream error event; (3) background work stops; (4) connections
+        close and upstream pools are released. `drain=False` skips (2): whatever is still
+        running is cancelled within a second (tests tearing down). Safe to call twice."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if drain and self._site is not None:
+            drain_ms = self.gateway.runtime.config.shutdown.drain_timeout_ms
+            log.info("draining", extra={"fields": {"deadline_ms": drain_ms}})
+            await self.gateway.drain(self._site)
+        await self.prober.stop()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.gateway.close()
+        log.info("stopped")
+
+    async def _janitor(self) -> None:
+        """Closes the connection pools of instances and pools that drained after a reload."""
+        while True:
+            await asyncio.sleep(_JANITOR_INTERVAL_S)
+            try:
+                await self.gateway.runtime.collect()
+            except Exception:
+                log.exception("closing drained upstreams failed")
+
+    async def _watch(self, path: str) -> None:
+        """Polls the config file's identity (mtime, size, inode); a change triggers a reload."""
+
+        def stamp() -> tuple[int, int, int] | None:
+            try:
+                st = os.stat(path)
+            except OSError:
+                return None
+            return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+        last = stamp()
+        while True:
+            await asyncio.sleep(_WATCH_INTERVAL_S)
+            now = stamp()
+            if now is not None and now != last:
+                last = now
+                self.reload_soon()
