@@ -41,7 +41,8 @@ def busy_pool(model: str, instances: int) -> Any:
     for _ in range(instances):
         pool.add_instance(SLOTS)
     for ticket in range(instances * BUSY):
-        assert pool.submit(ticket, Priority.HIGH, 0) >= 0
+        granted = pool.submit(ticket, Priority.HIGH, 0)
+        assert granted is not None and granted >= 0
     assert pool.in_flight == instances * BUSY
     return pool
 

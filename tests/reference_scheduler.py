@@ -38,12 +38,9 @@ from fractions import Fraction
 from typing import Protocol
 
 from gateway._core import (
-    EXPIRED,
     MAX_INSTANCES,
-    QUEUED,
-    SPILLED,
-    UNSERVABLE,
     Balancer,
+    DuplicateTicket,
     InstanceState,
     InvalidPoolConfig,
     NoHealthyInstance,
@@ -53,6 +50,12 @@ from gateway._core import (
     QueueFull,
     UnknownTicket,
 )
+from gateway.errors import with_retry_after
+
+# The reference's own answer encoding (the test adapts the core's typed answers to it):
+# `submit` gives an instance index or QUEUED/SPILLED, an event (ticket, code) gives an
+# instance index or EXPIRED/UNSERVABLE.
+QUEUED, SPILLED, EXPIRED, UNSERVABLE = -1, -2, -3, -4
 
 Event = tuple[int, int]
 """(ticket, code): code >= 0 is the granted instance, else `EXPIRED` or `UNSERVABLE`."""
@@ -382,14 +385,14 @@ class ReferencePool:
     ) -> int:
         """SPEC §2.4: dispatch at once if an instance is free and nothing waits, else queue."""
         if ticket in self.granted or ticket in self.waiting_class:
-            raise UnknownTicket(f"ticket {ticket} is already waiting or granted")
+            raise DuplicateTicket(f"ticket {ticket} is already waiting or granted")
         self._pass_time(now_ms)
         # SPEC §6: nothing this request may use is up: answer now (fallback or 503).
         if not any(inst.is_up(now_ms) for inst in self._allowed(excluded)):
             self.counts["unservable"] += 1
             tries = [inst.next_try_at(now_ms) - now_ms for inst in self._allowed(excluded)]
             retry_after = min(tries, default=0)
-            raise NoHealthyInstance(f"retry after {retry_after} ms", retry_after)
+            raise with_retry_after(NoHealthyInstance(f"retry after {retry_after} ms"), retry_after)
         if self.waiting == 0:
             inst = self._pick(excluded, now_ms)
             if inst is not None:
@@ -408,7 +411,7 @@ class ReferencePool:
                 cls = Priority.LOW
             else:
                 self.counts["rejected_full"] += 1
-                raise QueueFull("queue full", 1000)
+                raise with_retry_after(QueueFull("queue full"), 1000)
         self.queues[cls].push(Waiter(ticket, tenant, now_ms, excluded))
         self.waiting_class[ticket] = cls
         self._pump(now_ms)
@@ -445,7 +448,9 @@ class ReferencePool:
         self._on_outcome(inst.health, outcome, grant, now_ms)
         if retry_after_ms > 0:
             # SPEC §6: "An upstream 429 or 503 carrying Retry-After also cools the instance".
-            inst.health.cool_until = max(inst.health.cool_until, now_ms + retry_after_ms)
+            # SPEC §16: "an upstream `Retry-After` is clamped to `health.max_ejection_ms`".
+            pause = min(retry_after_ms, self.cfg.max_ejection_ms)
+            inst.health.cool_until = max(inst.health.cool_until, now_ms + pause)
         self._pump(now_ms)
         return self.take_events()
 

@@ -3,12 +3,11 @@
 from typing import final
 
 __all__ = [
-    "EXPIRED",
     "MAX_INSTANCES",
-    "QUEUED",
-    "SPILLED",
-    "UNSERVABLE",
     "Balancer",
+    "DuplicateTicket",
+    "Event",
+    "EventKind",
     "GatewayError",
     "InstanceInfo",
     "InstanceState",
@@ -25,16 +24,19 @@ __all__ = [
     "UnknownTicket",
 ]
 
-QUEUED: int
-SPILLED: int
-EXPIRED: int
-UNSERVABLE: int
 MAX_INSTANCES: int
 
 class GatewayError(Exception): ...
-class QueueFull(GatewayError): ...
-class NoHealthyInstance(GatewayError): ...
+
+class QueueFull(GatewayError):
+    # Set by the core on the errors it raises.
+    retry_after_ms: int
+
+class NoHealthyInstance(GatewayError):
+    retry_after_ms: int
+
 class UnknownTicket(GatewayError): ...
+class DuplicateTicket(GatewayError): ...
 class InvalidPoolConfig(GatewayError): ...
 
 @final
@@ -76,27 +78,45 @@ class Outcome:
     def __int__(self) -> int: ...
 
 @final
+class EventKind:
+    GRANTED: EventKind
+    EXPIRED: EventKind
+    UNSERVABLE: EventKind
+    def __int__(self) -> int: ...
+
+@final
+class Event:
+    @property
+    def ticket(self) -> int: ...
+    @property
+    def kind(self) -> EventKind: ...
+    @property
+    def instance(self) -> int | None: ...
+    @property
+    def retry_after_ms(self) -> int: ...
+
+@final
 class PoolConfig:
     def __new__(
         cls,
         *,
-        policy: Policy = ...,
-        high_capacity: int = 200,
-        low_capacity: int = 1000,
-        high_weight: int = 7,
-        low_weight: int = 3,
-        high_max_wait_ms: int = 30000,
-        low_max_wait_ms: int = 600000,
-        max_consecutive_high: int = 20,
-        max_low_wait_ms: int = 5000,
-        overflow_high_to_low: bool = True,
-        balancer: Balancer = ...,
-        failure_threshold: int = 3,
-        ejection_ms: int = 10000,
-        max_ejection_ms: int = 300000,
-        half_open_max_requests: int = 1,
-        success_threshold: int = 2,
-        probing: bool = True,
+        policy: Policy | None = None,
+        high_capacity: int | None = None,
+        low_capacity: int | None = None,
+        high_weight: int | None = None,
+        low_weight: int | None = None,
+        high_max_wait_ms: int | None = None,
+        low_max_wait_ms: int | None = None,
+        max_consecutive_high: int | None = None,
+        max_low_wait_ms: int | None = None,
+        overflow_high_to_low: bool | None = None,
+        balancer: Balancer | None = None,
+        failure_threshold: int | None = None,
+        ejection_ms: int | None = None,
+        max_ejection_ms: int | None = None,
+        half_open_max_requests: int | None = None,
+        success_threshold: int | None = None,
+        probing: bool | None = None,
     ) -> PoolConfig: ...
     @property
     def policy(self) -> Policy: ...
@@ -182,14 +202,15 @@ class Pool:
     def remove_instance(self, index: int) -> None: ...
     def submit(
         self, ticket: int, priority: Priority, now_ms: int, tenant: int = 0, excluded: int = 0
-    ) -> int: ...
-    def take_events(self) -> list[tuple[int, int]]: ...
+    ) -> int | None: ...
+    def waiting_class(self, ticket: int) -> Priority | None: ...
+    def take_events(self) -> list[Event]: ...
     def cancel(self, ticket: int) -> bool: ...
     def release(
         self, ticket: int, outcome: Outcome, now_ms: int, retry_after_ms: int = 0
-    ) -> list[tuple[int, int]]: ...
-    def record_probe(self, index: int, ok: bool, now_ms: int) -> list[tuple[int, int]]: ...
-    def tick(self, now_ms: int) -> list[tuple[int, int]]: ...
+    ) -> list[Event]: ...
+    def record_probe(self, index: int, ok: bool, now_ms: int) -> list[Event]: ...
+    def tick(self, now_ms: int) -> list[Event]: ...
     def next_wakeup(self, now_ms: int) -> int | None: ...
     def retry_after_ms(self, priority: Priority, now_ms: int) -> int: ...
     def queued(self, priority: Priority) -> int: ...

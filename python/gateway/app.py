@@ -44,6 +44,7 @@ from gateway.errors import (
     UpstreamFailed,
     UpstreamTimedOut,
     retry_after_ms,
+    with_retry_after,
 )
 from gateway.exchange import Exchange
 from gateway.forward import AttemptError, Forwarder, UpstreamBody
@@ -436,8 +437,10 @@ class Gateway:
                 try:
                     idx, ex.waited_as = await pool.acquire(ticket, priority, tenant, excluded)
                 except QueueFull as exc:
-                    raise QueueFull(
-                        f"Pool {pool_name!r} is saturated and its queue is full; retry later.",
+                    raise with_retry_after(
+                        QueueFull(
+                            f"Pool {pool_name!r} is saturated and its queue is full; retry later."
+                        ),
                         retry_after_ms(exc),
                     ) from None
                 except QueueTimeout as exc:
@@ -473,8 +476,10 @@ class Gateway:
                 raise UpstreamTimedOut(f"Upstream timed out: {last_error}.")
             raise UpstreamFailed(f"Upstream failed: {last_error}.")
         ex.instance = None
-        raise NoHealthyInstance(
-            f"No healthy instance in pool {ex.decision.pool!r} or its fallback; retry later.",
+        raise with_retry_after(
+            NoHealthyInstance(
+                f"No healthy instance in pool {ex.decision.pool!r} or its fallback; retry later."
+            ),
             unavailable_ms,
         )
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gateway._core import Priority
-from gateway.config import Config
+from gateway.config import PRIORITIES, Config
 from gateway.errors import Unauthorized
 from gateway.limits import KeyLimits
 
@@ -56,7 +56,7 @@ class KeyRing:
             index = indexes.setdefault(key.name, len(indexes) + 1)
             prio = None
             if key.priority is not None:
-                prio = Priority.HIGH if key.priority in ("high", "realtime") else Priority.LOW
+                prio = PRIORITIES[key.priority]
             limits = None
             if key.rpm or key.tpm:
                 kept = old.get(key.name)

@@ -33,12 +33,13 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
-from gateway._core import MAX_INSTANCES
+from gateway._core import MAX_INSTANCES, Priority
 from gateway.errors import ConfigError
 
 __all__ = [
     "DEFAULT_COMPLEX_KEYWORDS",
     "DEFAULT_SIMPLE_KEYWORDS",
+    "PRIORITIES",
     "ApiKey",
     "Auth",
     "BalancerName",
@@ -93,6 +94,12 @@ _PRIORITY_ALIASES: Final[Mapping[str, PriorityName]] = {
     "low": "low",
     "realtime": "high",
     "batch": "low",
+}
+
+#: Every priority name the spec accepts, as the core's enum (the one map from names).
+PRIORITIES: Final[Mapping[str, Priority]] = {
+    name: Priority.HIGH if label == "high" else Priority.LOW
+    for name, label in _PRIORITY_ALIASES.items()
 }
 
 _MASK: Final = "***"

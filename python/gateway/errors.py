@@ -6,8 +6,8 @@ domain error with what it knows (typed attributes, never data in `args`); `respo
 the one table from class to HTTP answer (status, code, type, Retry-After), the way aiohttp
 keeps its HTTP exceptions in one module.
 
-- `QueueFull(message, retry_after_ms)`: no queue room (SPEC §3 "Overflow").
-- `NoHealthyInstance(message, retry_after_ms)`: nothing the request may use is up (SPEC §6).
+- `QueueFull`: no queue room (SPEC §3 "Overflow"); `retry_after_ms` attribute.
+- `NoHealthyInstance`: nothing the request may use is up (SPEC §6); `retry_after_ms`.
 - `UnknownTicket`, `InvalidPoolConfig`: the core's own complaints.
 - `ConfigError`: an invalid configuration file; `path` names the field.
 - `RequestError` and its subclasses: answered to the client as they are.
@@ -16,6 +16,7 @@ keeps its HTTP exceptions in one module.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypeVar
 
 from gateway._core import (
     GatewayError,
@@ -50,6 +51,7 @@ __all__ = [
     "UpstreamFailed",
     "UpstreamTimedOut",
     "retry_after_ms",
+    "with_retry_after",
 ]
 
 
@@ -147,13 +149,16 @@ class InternalError(RequestError):
 DEFAULT_RETRY_AFTER_MS = 1000
 
 
+E = TypeVar("E", bound=GatewayError)
+
+
+def with_retry_after(exc: E, retry_after_ms: int) -> E:
+    """`exc` carrying `retry_after_ms`, as the core's `QueueFull` and `NoHealthyInstance` do."""
+    exc.retry_after_ms = retry_after_ms  # type: ignore[attr-defined]
+    return exc
+
+
 def retry_after_ms(exc: GatewayError) -> int:
-    """The wait the core suggests before a retry (its errors carry it as their second
-    argument; ours as `retry_after_ms`)."""
-    if isinstance(exc, RequestError) and exc.retry_after_ms is not None:
-        return exc.retry_after_ms
+    """The wait an error suggests before a retry, in ms (1 s when it says nothing)."""
     value = getattr(exc, "retry_after_ms", None)
-    if isinstance(value, int):
-        return value
-    value = exc.args[1] if len(exc.args) > 1 else DEFAULT_RETRY_AFTER_MS
-    return int(value)
+    return value if isinstance(value, int) else DEFAULT_RETRY_AFTER_MS

@@ -12,17 +12,11 @@ from typing import Any
 
 from gateway._core import Priority
 from gateway.classify import ComplexityClassifier, header_value
-from gateway.config import Config
+from gateway.config import PRIORITIES, Config
 from gateway.errors import InvalidRequest, ModelNotFound
 
 __all__ = ["Decision", "Router"]
 
-_PRIORITY_HEADER = {
-    "high": Priority.HIGH,
-    "realtime": Priority.HIGH,
-    "low": Priority.LOW,
-    "batch": Priority.LOW,
-}
 # SPEC §4: body `service_tier` (`priority` → high, `flex` → low); other tiers say nothing.
 _SERVICE_TIER = {"priority": Priority.HIGH, "flex": Priority.LOW}
 
@@ -48,7 +42,7 @@ class Router:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.default_priority = _PRIORITY_HEADER[config.default_priority]
+        self.default_priority = PRIORITIES[config.default_priority]
         # The complexity a pool stands for, from `routing.complexity` (light → simple).
         self._pool_complexity: dict[str, str] = {}
         cx = config.routing.complexity
@@ -107,7 +101,7 @@ class Router:
         # the API key's default priority; the configured default_priority".
         raw = headers.get("X-Priority")
         if raw is not None:
-            p = _PRIORITY_HEADER.get(raw.strip().lower())
+            p = PRIORITIES.get(raw.strip().lower())
             if p is None:
                 raise InvalidRequest(
                     "X-Priority must be one of high, low, realtime, batch",

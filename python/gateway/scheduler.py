@@ -14,14 +14,12 @@ import time
 from collections.abc import Callable, Iterable
 
 from gateway import _core
-from gateway._core import InstanceState, Outcome, Priority
+from gateway._core import EventKind, InstanceState, Outcome, Priority
 from gateway.errors import DEFAULT_RETRY_AFTER_MS, GatewayError, NoHealthyInstance, QueueTimeout
 
 __all__ = ["PoolScheduler", "Unservable", "now_ms"]
 
 _MAX_PAUSE_MS = 2**53
-_EXPIRED = _core.EXPIRED
-_UNSERVABLE = _core.UNSERVABLE
 
 
 def now_ms() -> int:
@@ -33,7 +31,8 @@ class Unservable(NoHealthyInstance):
     """Evicted from the queue: no instance the request may use is up any more."""
 
     def __init__(self, retry_after_ms: int) -> None:
-        super().__init__("no healthy instance left for the waiting request", retry_after_ms)
+        super().__init__("no healthy instance left for the waiting request")
+        self.retry_after_ms = retry_after_ms
 
 
 class PoolScheduler:
@@ -64,12 +63,13 @@ class PoolScheduler:
         the cancellation, its slot is released).
         """
         core = self.core
-        code = core.submit(ticket, priority, now_ms(), tenant, excluded)
+        granted = core.submit(ticket, priority, now_ms(), tenant, excluded)
         if core.has_transitions:
             self._transitions()
-        if code >= 0:
-            return code, priority
-        waited_as = Priority.LOW if code == _core.SPILLED else priority
+        if granted is not None:
+            return granted, priority
+        # SPEC §3 "Overflow": a high request may wait as low.
+        waited_as = core.waiting_class(ticket) or priority
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._waiters[ticket] = (fut, waited_as)
         self.deliver(core.take_events())
@@ -110,45 +110,37 @@ class PoolScheduler:
                 except Exception:  # a report failing must not lose the events with it
                     logging.getLogger("gateway.health").exception("transition report failed")
 
-    def deliver(self, events: Iterable[tuple[int, int]]) -> None:
+    def deliver(self, events: Iterable[_core.Event]) -> None:
         """Resolves the futures of the tickets the core moved (and reports state changes)."""
         if self.core.has_transitions:
             self._transitions()
         delivered = False
-        for ticket, code in events:
+        for event in events:
             delivered = True
+            ticket = event.ticket
             waiter = self._waiters.pop(ticket, None)
             fut = waiter[0] if waiter is not None else None
-            if code >= 0:
+            if event.instance is not None:  # GRANTED
                 if fut is None or fut.done():
                     # Its waiter is gone (cannot happen while cancel() runs first, but a
                     # slot must never leak): hand the slot straight back.
                     self.deliver(self.core.release(ticket, Outcome.NEUTRAL, now_ms()))
                 else:
-                    fut.set_result(code)
+                    fut.set_result(event.instance)
             elif waiter is not None and fut is not None and not fut.done():
-                if code == _EXPIRED:
+                if event.kind is EventKind.EXPIRED:
                     fut.set_exception(
                         QueueTimeout(
                             "Waited longer than the queue allows; retry later.",
                             retry_after_ms=self.retry_after(waiter[1]),
                         )
                     )
-                elif code == _UNSERVABLE:
-                    fut.set_exception(Unservable(self._unavailable_ms()))
+                else:
+                    # SPEC §6: 503 with "the time until the earliest instance may be tried".
+                    wait = max(DEFAULT_RETRY_AFTER_MS, event.retry_after_ms)
+                    fut.set_exception(Unservable(wait))
         if (delivered and self._waiters) or self._timer is not None:
             self._arm()
-
-    def _unavailable_ms(self) -> int:
-        """SPEC §6: "the time until the earliest instance may be tried" (at least 1 s)."""
-        now = now_ms()
-        core = self.core
-        waits = [
-            info.next_try_ms - now
-            for i in range(core.instance_count)
-            if not (info := core.instance(i, now)).removed
-        ]
-        return max(DEFAULT_RETRY_AFTER_MS, min(waits, default=DEFAULT_RETRY_AFTER_MS))
 
     @property
     def waiters(self) -> int:

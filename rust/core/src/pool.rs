@@ -87,8 +87,9 @@ pub enum EventKind {
     Granted(usize),
     /// It waited longer than its class's `max_wait_ms` (SPEC §3 "Deadlines").
     Expired,
-    /// No instance it may use is available any more: try the fallback pool, or answer 503.
-    Unservable,
+    /// No instance it may use is available any more: try the fallback pool, or answer 503
+    /// with `Retry-After` (SPEC §6: "the time until the earliest instance may be tried").
+    Unservable { retry_after_ms: Millis },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -539,7 +540,7 @@ impl Pool {
         }
         self.advance(now);
         self.expire(now);
-        self.evict_unservable();
+        self.evict_unservable(now);
         while self.waiting() > 0 {
             let tickets = &self.tickets;
             let low_live = |t| is_waiting(tickets, t, Priority::Low);
@@ -594,7 +595,9 @@ impl Pool {
 
     /// SPEC §6: a request that no instance it may use can serve is answered now (its pool's
     /// fallback, or 503 with Retry-After) rather than held until its deadline.
-    fn evict_unservable(&mut self) {
+    fn evict_unservable(&mut self, now: Millis) {
+        // Computed lazily, once per sweep: only an eviction needs it.
+        let mut retry_after_ms: Option<Millis> = None;
         for class in [Priority::High, Priority::Low] {
             if self.queues[class.index()].live() == 0 {
                 continue;
@@ -611,12 +614,18 @@ impl Pool {
                 // Every entry is unrestricted and something is up: nothing to evict.
                 continue;
             };
+            if gone.is_empty() {
+                continue;
+            }
+            let wait = *retry_after_ms.get_or_insert_with(|| self.retry_after_unavailable(0, now));
             for t in gone {
                 self.tickets.remove(&t);
                 self.stats.unservable += 1;
                 self.events.push(Event {
                     ticket: t,
-                    kind: EventKind::Unservable,
+                    kind: EventKind::Unservable {
+                        retry_after_ms: wait,
+                    },
                 });
             }
         }
@@ -804,6 +813,17 @@ impl Pool {
     /// Tickets in flight or waiting (for leak checks).
     pub fn tickets_outstanding(&self) -> usize {
         self.tickets.len()
+    }
+}
+
+impl Pool {
+    /// The class a waiting ticket waits in (a high request may wait as low after a spill);
+    /// `None` when it is not waiting.
+    pub fn waiting_class(&self, ticket: Ticket) -> Option<Priority> {
+        match self.tickets.get(&ticket) {
+            Some(TicketState::Waiting(class, _)) => Some(*class),
+            _ => None,
+        }
     }
 }
 

@@ -243,7 +243,7 @@ impl Caller {
             match kind {
                 EventKind::Granted(inst) => self.start(ticket, inst),
                 EventKind::Expired => self.expired += 1,
-                EventKind::Unservable => self.evicted += 1,
+                EventKind::Unservable { .. } => self.evicted += 1,
             }
         }
     }

@@ -57,6 +57,20 @@ mirror_enum!(
     Outcome => Outcome { SUCCESS = Success, FAILURE = Failure, NEUTRAL = Neutral }
 );
 
+/// What happened to a waiting ticket (see `Event`).
+#[pyclass(eq, eq_int, frozen, hash, from_py_object, module = "gateway._core")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[allow(clippy::upper_case_acronyms)]
+pub enum EventKind {
+    /// A slot was granted: send the request to `Event.instance` now.
+    GRANTED,
+    /// It waited longer than its class's `max_wait_ms` (SPEC §3 "Deadlines").
+    EXPIRED,
+    /// No instance it may use is available: the fallback pool, or 503 after
+    /// `Event.retry_after_ms`.
+    UNSERVABLE,
+}
+
 #[pymethods]
 impl Priority {
     /// The spec's name: "high" or "low".

@@ -10,9 +10,9 @@ mod enums;
 mod matcher;
 mod pool;
 
-use enums::{Balancer, InstanceState, Outcome, Policy, Priority};
+use enums::{Balancer, EventKind, InstanceState, Outcome, Policy, Priority};
 use matcher::KeywordSet;
-use pool::{InstanceInfo, Pool, PoolConfig, PoolStats};
+use pool::{Event, InstanceInfo, Pool, PoolConfig, PoolStats};
 
 create_exception!(
     gateway._core,
@@ -24,19 +24,25 @@ create_exception!(
     gateway._core,
     QueueFull,
     GatewayError,
-    "No queue room for the request. args: (message, retry_after_ms)."
+    "No queue room for the request; `retry_after_ms` says when to try again."
 );
 create_exception!(
     gateway._core,
     NoHealthyInstance,
     GatewayError,
-    "No instance the request may use can be tried now. args: (message, retry_after_ms)."
+    "No instance the request may use can be tried now; `retry_after_ms` says when one may."
 );
 create_exception!(
     gateway._core,
     UnknownTicket,
     GatewayError,
     "A ticket released twice, or not known to the pool."
+);
+create_exception!(
+    gateway._core,
+    DuplicateTicket,
+    GatewayError,
+    "A ticket submitted while the pool still holds it."
 );
 create_exception!(
     gateway._core,
@@ -54,34 +60,34 @@ impl From<core::CoreError> for CoreErr {
     }
 }
 
+/// An exception carrying `retry_after_ms` as a typed attribute (never in `args`).
+fn with_retry_after(err: PyErr, retry_after_ms: u64) -> PyErr {
+    Python::attach(|py| {
+        // Setting an attribute on a fresh exception instance cannot fail in practice; if it
+        // did, the error itself still propagates (callers default to 1 s).
+        let _ = err.value(py).setattr("retry_after_ms", retry_after_ms);
+    });
+    err
+}
+
 impl From<CoreErr> for PyErr {
     fn from(CoreErr(e): CoreErr) -> PyErr {
         let msg = e.to_string();
         match e {
             core::CoreError::QueueFull { retry_after_ms } => {
-                QueueFull::new_err((msg, retry_after_ms))
+                with_retry_after(QueueFull::new_err(msg), retry_after_ms)
             }
             core::CoreError::NoHealthyInstance { retry_after_ms } => {
-                NoHealthyInstance::new_err((msg, retry_after_ms))
+                with_retry_after(NoHealthyInstance::new_err(msg), retry_after_ms)
             }
-            core::CoreError::UnknownTicket(_) | core::CoreError::DuplicateTicket(_) => {
-                UnknownTicket::new_err(msg)
-            }
+            core::CoreError::UnknownTicket(_) => UnknownTicket::new_err(msg),
+            core::CoreError::DuplicateTicket(_) => DuplicateTicket::new_err(msg),
             core::CoreError::UnknownInstance(_) | core::CoreError::InvalidConfig(_) => {
                 InvalidPoolConfig::new_err(msg)
             }
         }
     }
 }
-
-/// `submit` result: queued in the class asked for.
-const QUEUED: i64 = -1;
-/// `submit` result: a high request found the high queue full and waits as low.
-const SPILLED: i64 = -2;
-/// Event code: the ticket waited past its class's `max_wait_ms`.
-const EXPIRED: i64 = -3;
-/// Event code: no instance the ticket may use is available; try the fallback or answer 503.
-const UNSERVABLE: i64 = -4;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -91,6 +97,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Balancer>()?;
     m.add_class::<InstanceState>()?;
     m.add_class::<Outcome>()?;
+    m.add_class::<EventKind>()?;
+    m.add_class::<Event>()?;
     m.add_class::<PoolConfig>()?;
     m.add_class::<Pool>()?;
     m.add_class::<InstanceInfo>()?;
@@ -100,11 +108,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("QueueFull", py.get_type::<QueueFull>())?;
     m.add("NoHealthyInstance", py.get_type::<NoHealthyInstance>())?;
     m.add("UnknownTicket", py.get_type::<UnknownTicket>())?;
+    m.add("DuplicateTicket", py.get_type::<DuplicateTicket>())?;
     m.add("InvalidPoolConfig", py.get_type::<InvalidPoolConfig>())?;
-    m.add("QUEUED", QUEUED)?;
-    m.add("SPILLED", SPILLED)?;
-    m.add("EXPIRED", EXPIRED)?;
-    m.add("UNSERVABLE", UNSERVABLE)?;
     m.add("MAX_INSTANCES", core::MAX_INSTANCES)?;
     Ok(())
 }

@@ -3,8 +3,8 @@
 use gateway_core as core;
 use pyo3::prelude::*;
 
-use crate::enums::{Balancer, InstanceState, Outcome, Policy, Priority};
-use crate::{CoreErr, EXPIRED, QUEUED, SPILLED, UNSERVABLE};
+use crate::enums::{Balancer, EventKind, InstanceState, Outcome, Policy, Priority};
+use crate::CoreErr;
 
 /// One pool's scheduler settings (SPEC §8 `scheduler`, `balancer`, `health`).
 #[pyclass(frozen, get_all, module = "gateway._core")]
@@ -31,65 +31,69 @@ pub struct PoolConfig {
 
 #[pymethods]
 impl PoolConfig {
+    /// Every setting omitted takes the core's default (`gateway_core::PoolConfig::default()`,
+    /// the one place defaults are written; `PoolConfig()` shows them to Python).
     #[new]
     #[pyo3(signature = (
         *,
-        policy = Policy::WEIGHTED,
-        high_capacity = 200,
-        low_capacity = 1000,
-        high_weight = 7,
-        low_weight = 3,
-        high_max_wait_ms = 30_000,
-        low_max_wait_ms = 600_000,
-        max_consecutive_high = 20,
-        max_low_wait_ms = 5_000,
-        overflow_high_to_low = true,
-        balancer = Balancer::LEAST_CONNECTIONS,
-        failure_threshold = 3,
-        ejection_ms = 10_000,
-        max_ejection_ms = 300_000,
-        half_open_max_requests = 1,
-        success_threshold = 2,
-        probing = true,
+        policy = None,
+        high_capacity = None,
+        low_capacity = None,
+        high_weight = None,
+        low_weight = None,
+        high_max_wait_ms = None,
+        low_max_wait_ms = None,
+        max_consecutive_high = None,
+        max_low_wait_ms = None,
+        overflow_high_to_low = None,
+        balancer = None,
+        failure_threshold = None,
+        ejection_ms = None,
+        max_ejection_ms = None,
+        half_open_max_requests = None,
+        success_threshold = None,
+        probing = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        policy: Policy,
-        high_capacity: usize,
-        low_capacity: usize,
-        high_weight: u32,
-        low_weight: u32,
-        high_max_wait_ms: u64,
-        low_max_wait_ms: u64,
-        max_consecutive_high: u32,
-        max_low_wait_ms: u64,
-        overflow_high_to_low: bool,
-        balancer: Balancer,
-        failure_threshold: u32,
-        ejection_ms: u64,
-        max_ejection_ms: u64,
-        half_open_max_requests: u32,
-        success_threshold: u32,
-        probing: bool,
+        policy: Option<Policy>,
+        high_capacity: Option<usize>,
+        low_capacity: Option<usize>,
+        high_weight: Option<u32>,
+        low_weight: Option<u32>,
+        high_max_wait_ms: Option<u64>,
+        low_max_wait_ms: Option<u64>,
+        max_consecutive_high: Option<u32>,
+        max_low_wait_ms: Option<u64>,
+        overflow_high_to_low: Option<bool>,
+        balancer: Option<Balancer>,
+        failure_threshold: Option<u32>,
+        ejection_ms: Option<u64>,
+        max_ejection_ms: Option<u64>,
+        half_open_max_requests: Option<u32>,
+        success_threshold: Option<u32>,
+        probing: Option<bool>,
     ) -> Result<Self, CoreErr> {
+        let d = core::PoolConfig::default();
         let cfg = Self {
-            policy,
-            high_capacity,
-            low_capacity,
-            high_weight,
-            low_weight,
-            high_max_wait_ms,
-            low_max_wait_ms,
-            max_consecutive_high,
-            max_low_wait_ms,
-            overflow_high_to_low,
-            balancer,
-            failure_threshold,
-            ejection_ms,
-            max_ejection_ms,
-            half_open_max_requests,
-            success_threshold,
-            probing,
+            policy: policy.unwrap_or(d.selector.policy.into()),
+            high_capacity: high_capacity.unwrap_or(d.high_capacity),
+            low_capacity: low_capacity.unwrap_or(d.low_capacity),
+            high_weight: high_weight.unwrap_or(d.selector.high_weight),
+            low_weight: low_weight.unwrap_or(d.selector.low_weight),
+            high_max_wait_ms: high_max_wait_ms.unwrap_or(d.high_max_wait_ms),
+            low_max_wait_ms: low_max_wait_ms.unwrap_or(d.low_max_wait_ms),
+            max_consecutive_high: max_consecutive_high.unwrap_or(d.selector.max_consecutive_high),
+            max_low_wait_ms: max_low_wait_ms.unwrap_or(d.selector.max_low_wait_ms),
+            overflow_high_to_low: overflow_high_to_low.unwrap_or(d.overflow_high_to_low),
+            balancer: balancer.unwrap_or(d.balancer.into()),
+            failure_threshold: failure_threshold.unwrap_or(d.health.failure_threshold),
+            ejection_ms: ejection_ms.unwrap_or(d.health.ejection_ms),
+            max_ejection_ms: max_ejection_ms.unwrap_or(d.health.max_ejection_ms),
+            half_open_max_requests: half_open_max_requests
+                .unwrap_or(d.health.half_open_max_requests),
+            success_threshold: success_threshold.unwrap_or(d.health.success_threshold),
+            probing: probing.unwrap_or(d.health.probing),
         };
         cfg.to_core().validate()?;
         Ok(cfg)
@@ -154,18 +158,46 @@ pub struct PoolStats {
     unservable: u64,
 }
 
-type Events = Vec<(u64, i64)>;
+/// What the core decided about one waiting ticket.
+#[pyclass(frozen, get_all, module = "gateway._core")]
+pub struct Event {
+    ticket: u64,
+    kind: EventKind,
+    /// The granted instance (`GRANTED` only).
+    instance: Option<usize>,
+    /// When the request may be tried again (`UNSERVABLE` only; 0 otherwise).
+    retry_after_ms: u64,
+}
+
+#[pymethods]
+impl Event {
+    fn __repr__(&self) -> String {
+        format!(
+            "Event(ticket={}, kind={:?}, instance={:?}, retry_after_ms={})",
+            self.ticket, self.kind, self.instance, self.retry_after_ms
+        )
+    }
+}
+
+type Events = Vec<Event>;
 
 fn encode(events: Vec<core::Event>) -> Events {
     events
         .into_iter()
         .map(|e| {
-            let code = match e.kind {
-                core::EventKind::Granted(i) => i as i64,
-                core::EventKind::Expired => EXPIRED,
-                core::EventKind::Unservable => UNSERVABLE,
+            let (kind, instance, retry_after_ms) = match e.kind {
+                core::EventKind::Granted(i) => (EventKind::GRANTED, Some(i), 0),
+                core::EventKind::Expired => (EventKind::EXPIRED, None, 0),
+                core::EventKind::Unservable { retry_after_ms } => {
+                    (EventKind::UNSERVABLE, None, retry_after_ms)
+                }
             };
-            (e.ticket, code)
+            Event {
+                ticket: e.ticket,
+                kind,
+                instance,
+                retry_after_ms,
+            }
         })
         .collect()
 }
@@ -203,9 +235,9 @@ impl Pool {
         Ok(self.inner.remove_instance(index)?)
     }
 
-    /// Admits a request: returns the instance index (>= 0) when dispatched at once, `QUEUED`
-    /// or `SPILLED` when it waits. Raises `QueueFull` or `NoHealthyInstance`. After a queued
-    /// result, deliver `take_events()`.
+    /// Admits a request: returns the instance index when dispatched at once, `None` when it
+    /// waits (`waiting_class` tells in which class). Raises `QueueFull` or
+    /// `NoHealthyInstance`. After a queued result, deliver `take_events()`.
     #[pyo3(signature = (ticket, priority, now_ms, tenant = 0, excluded = 0))]
     fn submit(
         &mut self,
@@ -214,15 +246,20 @@ impl Pool {
         now_ms: u64,
         tenant: u32,
         excluded: u64,
-    ) -> Result<i64, CoreErr> {
+    ) -> Result<Option<usize>, CoreErr> {
         let p = core::Priority::from(priority);
         Ok(
             match self.inner.submit(ticket, p, tenant, excluded, now_ms)? {
-                core::Admit::Granted(i) => i as i64,
-                core::Admit::Queued(class) if class == p => QUEUED,
-                core::Admit::Queued(_) => SPILLED,
+                core::Admit::Granted(i) => Some(i),
+                core::Admit::Queued(_) => None,
             },
         )
+    }
+
+    /// The class a waiting ticket waits in (a high request that found the high queue full
+    /// waits as low); `None` when it is not waiting.
+    fn waiting_class(&self, ticket: u64) -> Option<Priority> {
+        self.inner.waiting_class(ticket).map(Priority::from)
     }
 
     fn take_events(&mut self) -> Events {
