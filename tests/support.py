@@ -67,8 +67,54 @@ class RunningGateway:
                 raise AssertionError(f"gateway not quiet: {busy}")
             await asyncio.sleep(0.02)
 
+    async def wait_queued(
+        self, high: int, low: int, pool: str = "p", within: float = 5.0
+    ) -> dict[str, Any]:
+        """Until the pool's queues hold exactly `high` and `low` requests; the state then."""
+        return await self.wait_state(
+            lambda s: s["pools"][pool]["queued"] == {"high": high, "low": low},
+            within,
+            f"queue never reached {high}/{low}",
+        )
+
+    async def wait_in_flight(self, n: int, pool: str = "p", within: float = 5.0) -> dict[str, Any]:
+        """Until `n` attempts of the pool are in flight; the state then."""
+        return await self.wait_state(
+            lambda s: s["pools"][pool]["in_flight"] == n, within, f"never {n} in flight"
+        )
+
+    async def wait_state(
+        self, done: Callable[[dict[str, Any]], bool], within: float = 5.0, what: str = ""
+    ) -> dict[str, Any]:
+        """Polls /admin/state until `done(state)`; returns that state."""
+        deadline = time.monotonic() + within
+        while True:
+            state = await self.state()
+            if done(state):
+                return state
+            assert time.monotonic() < deadline, f"{what or 'state never matched'}: {state}"
+            await asyncio.sleep(0.005)
+
     async def post(self, path: str, body: Any, **kw: Any) -> aiohttp.ClientResponse:
         return await self.session.post(self.url + path, json=body, **kw)
+
+
+async def eventually(
+    check: Callable[[], Awaitable[bool]] | Callable[[], bool],
+    within: float = 5.0,
+    what: str = "condition",
+) -> None:
+    """Polls `check` (sync or async) until it holds; fails after `within` seconds. Tests wait
+    for what they need this way, never by sleeping a guessed time."""
+    deadline = time.monotonic() + within
+    while True:
+        result = check()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        assert time.monotonic() < deadline, f"{what} never held within {within} s"
+        await asyncio.sleep(0.005)
 
 
 def pool_config(*instances: MockServer | tuple[MockServer, int], **extra: Any) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from support import MockFactory
+from support import MockFactory, eventually
 
 GATEWAY = [sys.executable, "-m", "gateway.cli"]
 
@@ -69,6 +69,17 @@ def test_check_names_the_field_of_an_invalid_config(tmp_path: Path) -> None:
     assert "pools.light.instances[0].max_concurrency" in out.stderr
 
 
+async def _wait_pool(url: str, in_flight: int, high: int, low: int = 0) -> None:
+    """Until the `light` pool of the gateway at `url` shows exactly this load."""
+
+    async def there() -> bool:
+        async with aiohttp.ClientSession() as s, s.get(url + "/admin/state") as r:
+            pool = (await r.json())["pools"]["light"]
+        return bool(pool["in_flight"] == in_flight and pool["queued"] == {"high": high, "low": low})
+
+    await eventually(there, what=f"{in_flight} in flight, {high}/{low} queued")
+
+
 async def _wait_listening(port: int, proc: asyncio.subprocess.Process) -> None:
     for _ in range(200):
         assert proc.returncode is None, "gateway exited early"
@@ -113,7 +124,7 @@ async def test_serve_then_sigterm_drains_in_flight_requests(
 
             # 2 in flight, 2 queued behind them
             tasks = [asyncio.create_task(one()) for _ in range(4)]
-            await asyncio.sleep(0.2)
+            await _wait_pool(url, 2, 2)
             proc.send_signal(signal.SIGTERM)
             statuses = await asyncio.gather(*tasks)
         assert statuses == [200, 200, 200, 200]
@@ -170,7 +181,12 @@ async def test_watch_and_sighup_reload_the_config(tmp_path: Path, mocks: MockFac
         # an invalid file is refused; the running config stays
         good = path.read_text()
         path.write_text(good.replace("max_concurrency: 2", "max_concurrency: -1"))
-        await asyncio.sleep(1.5)
+
+        async def refused() -> bool:
+            async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+                return 'gateway_config_reloads_total{result="failure"} 1.0' in await r.text()
+
+        await eventually(refused, what="the watcher's reload refused")
         assert await _models(url) == ["judge-2", "judge-lite"]
         # SIGHUP
         path.write_text(good + "  judge-3: {pool: light}\n")
@@ -221,10 +237,10 @@ async def test_sigterm_past_the_drain_deadline_answers_everyone(
             # 2 slots: a stream and a request in flight, 2 more queued behind them
             m.configure(latency_ms=0)
             tasks = [asyncio.create_task(stream())]
-            await asyncio.sleep(0.3)
+            await eventually(lambda: m.stats.in_flight == 1, what="the stream started")
             m.configure(latency_ms=5000)
             tasks += [asyncio.create_task(plain()) for _ in range(3)]
-            await asyncio.sleep(0.3)
+            await _wait_pool(url.removesuffix("/v1/chat/completions"), 2, 2)
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             results = await asyncio.gather(*tasks)

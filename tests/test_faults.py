@@ -267,11 +267,13 @@ async def test_half_open_admits_exactly_the_trial_count(
         await _post(gw)
     assert _instance(await gw.state(), flaky)["state"] == "ejected"
     await flaky.set_down(False)
-    await asyncio.sleep(0.35)  # ejection over; probing is off, so it turns half-open
+    # the ejection ends after 300 ms; probing is off, so it turns half-open
+    await gw.wait_state(lambda s: _instance(s, flaky)["state"] == "half_open")
     flaky.reset()
     burst = [asyncio.create_task(_post(gw)) for _ in range(8)]
-    await asyncio.sleep(0.15)  # the trials take 300 ms
-    state = await gw.state()
+    # the trials take 300 ms
+    state = await gw.wait_state(lambda s: _instance(s, flaky)["in_flight"] == 2)
+    state = await gw.wait_queued(6, 0)
     # the burst: exactly 2 trials in flight, the other 6 wait in the queue for them
     assert _instance(state, flaky)["state"] == "half_open"
     assert _instance(state, flaky)["in_flight"] == 2
@@ -365,7 +367,8 @@ async def test_lifecycle_events_are_logged(
         for _ in range(6):
             assert (await _post(gw))[0] == 200
         await a.set_down(False)
-        await asyncio.sleep(0.25)
+        # the ejection (200 ms) ends: the instance is tried again, half-open
+        await gw.wait_state(lambda s: _instance(s, a)["state"] == "half_open")
         for _ in range(6):
             assert (await _post(gw))[0] == 200
     events = [

@@ -125,7 +125,7 @@ async def test_queue_depth_gauge_while_saturated(
         asyncio.create_task(gw.post("/v1/chat/completions", chat(), headers={"X-Priority": p}))
         for p in ("high", "low", "low")
     ]
-    await asyncio.sleep(0.15)
+    await gw.wait_queued(0, 2)
     during = await _scrape(gw)
     assert _value(during, "gateway_queue_depth", pool="p", priority="low") == 2
     assert _value(during, "gateway_instance_in_flight", pool="p", instance=f"m{m.port}-0") == 1

@@ -7,7 +7,15 @@ import asyncio
 import copy
 from typing import Any
 
-from support import GatewayFactory, MockFactory, RunningGateway, chat, pool_config, simple_config
+from support import (
+    GatewayFactory,
+    MockFactory,
+    RunningGateway,
+    chat,
+    eventually,
+    pool_config,
+    simple_config,
+)
 
 
 async def _send(gw: RunningGateway, **kw: Any) -> tuple[int, str]:
@@ -29,8 +37,7 @@ async def test_valid_reload_under_load_adds_an_instance_and_capacity(
     config = simple_config(pool_config((a, 1)))
     gw = await gateway_factory(config)
     load = [asyncio.create_task(_send(gw)) for _ in range(12)]
-    await asyncio.sleep(0.1)
-    assert (await gw.state())["pools"]["p"]["queued"]["high"] > 0
+    await gw.wait_queued(11, 0)
     new = copy.deepcopy(config)
     new["pools"]["p"] = pool_config((a, 2), (b, 2))
     status, body = await gw.reload(new)
@@ -52,7 +59,7 @@ async def test_invalid_reload_keeps_the_running_config(
     config = simple_config(pool_config((a, 1)))
     gw = await gateway_factory(config)
     load = [asyncio.create_task(_send(gw)) for _ in range(4)]
-    await asyncio.sleep(0.05)
+    await gw.wait_queued(3, 0)
     broken = copy.deepcopy(config)
     broken["pools"]["p"]["instances"][0]["max_concurrency"] = 0
     status, body = await gw.reload(broken)
@@ -74,8 +81,7 @@ async def test_removed_instance_drains_and_takes_nothing_new(
     config = simple_config(pool_config((a, 2), (b, 2)), balancer="round_robin")
     gw = await gateway_factory(config)
     slow = [asyncio.create_task(_send(gw)) for _ in range(2)]
-    await asyncio.sleep(0.1)
-    assert a.stats.in_flight == 1
+    await eventually(lambda: a.stats.in_flight == 1, what="a slow request on a")
     new = copy.deepcopy(config)
     new["pools"]["p"] = pool_config((b, 2))
     new["pools"]["p"]["instances"][0]["name"] = config["pools"]["p"]["instances"][1]["name"]
@@ -102,7 +108,7 @@ async def test_removed_pool_sends_its_queue_to_the_fallback(
     }
     gw = await gateway_factory(config)
     load = [asyncio.create_task(_send(gw)) for _ in range(4)]
-    await asyncio.sleep(0.1)
+    await gw.wait_queued(3, 0)
     new = {"pools": {"spare": pool_config(spare)}, "models": {"m": {"pool": "spare"}}}
     status, _ = await gw.reload(new)
     assert status == 200

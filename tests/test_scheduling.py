@@ -22,24 +22,6 @@ async def _send(
         return resp.status, await resp.json(), dict(resp.headers)
 
 
-async def _wait_queued(gw: RunningGateway, high: int, low: int, within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while True:
-        q = (await gw.state())["pools"]["p"]["queued"]
-        if q == {"high": high, "low": low}:
-            return
-        assert time.monotonic() < deadline, f"queue never reached {high}/{low}: {q}"
-        await asyncio.sleep(0.005)
-
-
-async def _wait_in_flight(gw: RunningGateway, within: float = 5.0) -> None:
-    """Until the blocker holds the pool's one slot."""
-    deadline = time.monotonic() + within
-    while (await gw.state())["pools"]["p"]["in_flight"] < 1:
-        assert time.monotonic() < deadline, "the blocker never started"
-        await asyncio.sleep(0.005)
-
-
 def _order(m: MockServer) -> str:
     """The grant order as the backend saw it: the first letter of each prompt."""
     return "".join(r["body"]["messages"][0]["content"][0] for r in m.requests)
@@ -53,7 +35,7 @@ async def _saturate(
     latency = m.behavior.latency_ms
     m.configure(latency_ms=500)
     tasks = [asyncio.create_task(_send(gw, "B", "high"))]
-    await _wait_in_flight(gw)
+    await gw.wait_in_flight(1)
     m.configure(latency_ms=latency)
     plan = [("L", "low", lows), ("H", "high", highs)]
     if first == "high":
@@ -62,7 +44,7 @@ async def _saturate(
     for letter, prio, n in plan:
         tasks.extend(asyncio.create_task(_send(gw, f"{letter}{i}", prio)) for i in range(n))
         counts[prio] += n
-        await _wait_queued(gw, counts["high"], counts["low"])
+        await gw.wait_queued(counts["high"], counts["low"])
     return tasks
 
 
@@ -139,11 +121,11 @@ async def test_queue_full_spills_then_rejects(
     )
     gw = await gateway_factory(config)
     blocker = asyncio.create_task(_send(gw, "B", "high"))
-    await _wait_in_flight(gw)
+    await gw.wait_in_flight(1)
     queued = asyncio.create_task(_send(gw, "H0", "high"))
-    await _wait_queued(gw, 1, 0)
+    await gw.wait_queued(1, 0)
     spilled = asyncio.create_task(_send(gw, "H1", "high"))
-    await _wait_queued(gw, 1, 1)  # SPEC §3: high finding high full spills into low
+    await gw.wait_queued(1, 1)  # SPEC §3: high finding high full spills into low
     status, body, headers = await _send(gw, "H2", "high")
     assert status == 503
     assert body["error"]["code"] == "queue_full"
@@ -160,7 +142,7 @@ async def test_queue_timeout(mocks: MockFactory, gateway_factory: GatewayFactory
     config = simple_config(pool_config((m, 1)), scheduler={"high": {"max_wait_ms": 150}})
     gw = await gateway_factory(config)
     blocker = asyncio.create_task(_send(gw, "B", "high"))
-    await _wait_in_flight(gw)
+    await gw.wait_in_flight(1)
     t0 = time.monotonic()
     status, body, headers = await _send(gw, "H0", "high")
     waited = time.monotonic() - t0
@@ -178,7 +160,7 @@ async def test_client_leaving_the_queue_never_reaches_upstream(
     m = await mocks(latency_ms=400)
     gw = await gateway_factory(simple_config(pool_config((m, 1))))
     blocker = asyncio.create_task(_send(gw, "B", "high"))
-    await _wait_in_flight(gw)
+    await gw.wait_in_flight(1)
     async with aiohttp.ClientSession() as s:
         try:
             async with s.post(
@@ -190,11 +172,11 @@ async def test_client_leaving_the_queue_never_reaches_upstream(
         except TimeoutError:
             pass
     # SPEC §3: removed at once; it no longer counts toward depth
-    await _wait_queued(gw, 0, 0, within=1.0)
+    await gw.wait_queued(0, 0, within=1.0)
     state = (await gw.state())["pools"]["p"]
     assert state["in_flight"] == 1 and state["cancelled"] == 1
     assert (await blocker)[0] == 200
-    await asyncio.sleep(0.05)
+    # The cancelled request never reached the backend: it saw only the blocker.
     assert _order(m) == "B"
     await gw.assert_quiet()
 

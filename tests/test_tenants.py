@@ -89,13 +89,13 @@ async def test_fair_share_across_keys_in_one_class(
     gw = await gateway_factory(config)
     m.configure(latency_ms=400)
     blocker = asyncio.create_task(_send(gw, "ka", chat("B")))
-    await asyncio.sleep(0.1)
+    await gw.wait_in_flight(1)
     m.configure(latency_ms=20)
     tasks = [
         asyncio.create_task(_send(gw, "ka", chat(f"A{i}"), **{"X-Priority": "low"}))
         for i in range(8)
     ]
-    await asyncio.sleep(0.1)
+    await gw.wait_queued(0, 8)
     tasks += [
         asyncio.create_task(_send(gw, "kb", chat(f"B{i}"), **{"X-Priority": "low"}))
         for i in range(3)
@@ -119,7 +119,7 @@ async def test_tier_spill(mocks: MockFactory, gateway_factory: GatewayFactory, s
     }
     gw = await gateway_factory(config)
     first = asyncio.create_task(gw.post("/v1/chat/completions", chat(model="lite")))
-    await asyncio.sleep(0.05)
+    await gw.wait_in_flight(1, pool="light")
     async with await gw.post("/v1/chat/completions", chat(model="lite")) as resp:
         assert resp.status == 200
         if spill:

@@ -20,7 +20,14 @@ from gateway import forward, http1
 from gateway.metrics import Metrics
 from gateway.redact import REDACTOR, RedactingFilter, Redactor
 from gateway.sse import SseChecker
-from support import GatewayFactory, MockFactory, RunningGateway, chat, pool_config, simple_config
+from support import (
+    GatewayFactory,
+    MockFactory,
+    RunningGateway,
+    chat,
+    pool_config,
+    simple_config,
+)
 
 CANARY_CLIENT = "sk-client-canary-7f3a9c1e5b"
 CANARY_ADMIN = "sk-admin-canary-2d8e4f6a1c"
@@ -294,7 +301,7 @@ async def test_buffered_bytes_bound_answers_503_overloaded_and_frees_on_completi
     )
     big = chat("x" * 2000)
     first = asyncio.create_task(gw.post("/v1/chat/completions", big))
-    await _until(lambda: gw.gateway.buffered_bytes > 0)
+    await gw.wait_in_flight(1)
     async with await gw.post("/v1/chat/completions", big) as resp:
         assert resp.status == 503
         assert (await resp.json())["error"]["code"] == "overloaded"
@@ -305,13 +312,6 @@ async def test_buffered_bytes_bound_answers_503_overloaded_and_frees_on_completi
         assert resp.status == 200
     assert (await gw.state())["buffered_bytes"] == 0
     await gw.assert_quiet()
-
-
-async def _until(cond: Any, within: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "condition never held"
-        await asyncio.sleep(0.01)
 
 
 class Boom(RuntimeError):
