@@ -51,6 +51,7 @@ from gateway.forward import AttemptError, Forwarder, UpstreamBody
 from gateway.limits import estimate_tokens
 from gateway.messages import ENDPOINTS, Endpoint, parse_request
 from gateway.metrics import Metrics
+from gateway.pool import Pool
 from gateway.redact import REDACTOR, secrets_of
 from gateway.responses import NOSNIFF, answer_of, error_response
 from gateway.runtime import Runtime
@@ -286,8 +287,9 @@ class Gateway:
         return f"gw-{self._boot}-{ticket}"
 
     async def proxy(self, request: web.BaseRequest, endpoint: Endpoint) -> web.StreamResponse:
-        runtime = self.runtime
-        ticket = runtime.next_ticket()
+        """One proxied request, answered whatever happens (an error of ours included), then
+        counted and logged once."""
+        ticket = self.runtime.next_ticket()
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
@@ -295,37 +297,8 @@ class Gateway:
         assert task is not None
         ex = Exchange(self._request_id(request, ticket), time.monotonic(), Watchdog(loop, task))
         self._active.add(task)
-        held = 0
         try:
-            if self.draining:
-                raise _draining("The gateway is shutting down.")
-            tenant = self.keys.authenticate(request.headers)
-            raw = await self._read_body(request, ex.watchdog)
-            data = parse_request(raw, endpoint)
-            del raw  # SPEC §16: a queued request holds one copy of its bytes, not three
-            if tenant.models is not None and data["model"] not in tenant.models:
-                # Like OpenAI: an alias this key may not use does not exist for it.
-                raise ModelNotFound(
-                    "The model does not exist or this API key has no access to it.",
-                    param="model",
-                )
-            ex.decision = runtime.router.decide(
-                data["model"], request.headers, data, tenant.priority
-            )
-            body = _upstream_body(data)
-            held = self._hold(body.size)
-            limits = tenant.limits
-            if limits is None:
-                del data
-                resp = await self._dispatch(request, ex, endpoint, body, ticket, tenant.index)
-            else:
-                charged, ex.limit_headers = limits.admit(estimate_tokens(data))
-                del data
-                try:
-                    resp = await self._dispatch(request, ex, endpoint, body, ticket, tenant.index)
-                finally:
-                    usage = ex.usage.get("total_tokens") if ex.usage else None
-                    limits.reconcile(charged, usage if isinstance(usage, int) else None)
+            resp = await self._serve(request, ex, endpoint, ticket)
         except (RequestError, QueueFull, NoHealthyInstance) as err:
             ex.status, ex.error, _ = answer_of(err)
             self.metrics.rejected(ex.error)
@@ -348,7 +321,6 @@ class Gateway:
             ex.status, ex.error = 500, "internal_error"
             resp = error_response(InternalError("Internal gateway error."), ex.headers())
         finally:
-            self.buffered_bytes -= held
             self._active.discard(task)
             if not self._active and self._idle is not None:
                 self._idle.set()
@@ -356,6 +328,42 @@ class Gateway:
         self._observe(ex)
         self._log(ex)
         return resp
+
+    async def _serve(
+        self, request: web.BaseRequest, ex: Exchange, endpoint: Endpoint, ticket: int
+    ) -> web.StreamResponse:
+        """SPEC §2 in order: ingress (authenticate, size-limit, validate), classify and route,
+        then admit, queue, balance and forward."""
+        if self.draining:
+            raise _draining("The gateway is shutting down.")
+        tenant = self.keys.authenticate(request.headers)
+        raw = await self._read_body(request, ex.watchdog)
+        data = parse_request(raw, endpoint)
+        del raw  # SPEC §16: a queued request holds one copy of its bytes, not three
+        if tenant.models is not None and data["model"] not in tenant.models:
+            # Like OpenAI: an alias this key may not use does not exist for it.
+            raise ModelNotFound(
+                "The model does not exist or this API key has no access to it.", param="model"
+            )
+        ex.decision = self.runtime.router.decide(
+            data["model"], request.headers, data, tenant.priority
+        )
+        body = _upstream_body(data)
+        limits = tenant.limits
+        held = self._hold(body.size)
+        try:
+            if limits is None:
+                del data
+                return await self._dispatch(request, ex, endpoint, body, ticket, tenant.index)
+            charged, ex.limit_headers = limits.admit(estimate_tokens(data))
+            del data
+            try:
+                return await self._dispatch(request, ex, endpoint, body, ticket, tenant.index)
+            finally:
+                usage = ex.usage.get("total_tokens") if ex.usage else None
+                limits.reconcile(charged, usage if isinstance(usage, int) else None)
+        finally:
+            self.buffered_bytes -= held
 
     def _hold(self, size: int) -> int:
         """SPEC §16: admits `size` more request bytes, or answers 503 `overloaded` when the
@@ -417,59 +425,24 @@ class Gateway:
     ) -> web.StreamResponse:
         """Admit, queue, balance and forward, retrying and falling back (SPEC §3, §6)."""
         assert ex.decision is not None
-        runtime = self.runtime
-        max_attempts = runtime.config.retries.max_attempts
-        priority = ex.decision.priority
         pool_name: str | None = self._spill(ex, ex.decision.pool)
         visited: set[str] = set()
         last_error: AttemptError | None = None
         unavailable_ms = DEFAULT_RETRY_AFTER_MS
         while pool_name is not None and pool_name not in visited:
             visited.add(pool_name)
-            found = runtime.pools.get(pool_name)
-            if found is None:  # removed by a reload while this request was on its way
+            pool = self.runtime.pools.get(pool_name)
+            if pool is None:  # removed by a reload while this request was on its way
                 break
-            pool = found
             ex.pool = pool_name
-            excluded = 0
-            for _ in range(max_attempts):
-                t_queue = time.monotonic()
-                try:
-                    idx, ex.waited_as = await pool.acquire(ticket, priority, tenant, excluded)
-                except QueueFull as exc:
-                    raise with_retry_after(
-                        QueueFull(
-                            f"Pool {pool_name!r} is saturated and its queue is full; retry later."
-                        ),
-                        retry_after_ms(exc),
-                    ) from None
-                except QueueTimeout as exc:
-                    raise QueueTimeout(
-                        f"Waited longer than the {(ex.waited_as or priority).label} queue "
-                        f"allows in pool {pool_name!r}; retry later.",
-                        retry_after_ms=retry_after_ms(exc),
-                    ) from None
-                except NoHealthyInstance as exc:
-                    # SPEC §6: none of this pool's instances may be tried: the fallback.
-                    unavailable_ms = retry_after_ms(exc)
-                    break
-                finally:
-                    waited = time.monotonic() - t_queue
-                    ex.queue_ms += waited * 1000
-                self.metrics.waited(pool_name, (ex.waited_as or priority).label, waited)
-                if ex.attempts:
-                    self.metrics.retry(pool_name)
-                ex.attempts += 1
-                ex.instance = pool.upstream(idx).name
-                result = await self.forwarder.attempt(
-                    request, ex, endpoint, body, pool, idx, ticket
-                )
-                if not isinstance(result, AttemptError):
-                    return result
+            result = await self._try_pool(request, ex, endpoint, body, ticket, tenant, pool)
+            if isinstance(result, web.StreamResponse):
+                return result
+            if isinstance(result, AttemptError):
                 last_error = result
-                pool.note_error(idx, str(result))
-                # SPEC §6: retried "on another instance of its pool".
-                excluded |= 1 << idx
+            else:
+                unavailable_ms = result
+            # SPEC §6: "then on the pool's fallback pool".
             pool_name = pool.spec.fallback
         if last_error is not None:
             if last_error.timeout:
@@ -482,6 +455,66 @@ class Gateway:
             ),
             unavailable_ms,
         )
+
+    async def _try_pool(
+        self,
+        request: web.BaseRequest,
+        ex: Exchange,
+        endpoint: Endpoint,
+        body: UpstreamBody,
+        ticket: int,
+        tenant: int,
+        pool: Pool,
+    ) -> web.StreamResponse | AttemptError | int:
+        """Up to `retries.max_attempts` attempts in one pool, each on an instance not tried
+        yet. Returns the response, the last attempt's error, or — when none of the pool's
+        instances may be tried — the ms until one may (SPEC §6)."""
+        last: AttemptError | int = DEFAULT_RETRY_AFTER_MS
+        excluded = 0
+        for _ in range(self.runtime.config.retries.max_attempts):
+            try:
+                idx = await self._acquire(ex, pool, ticket, tenant, excluded)
+            except NoHealthyInstance as exc:
+                return retry_after_ms(exc) if isinstance(last, int) else last
+            if ex.attempts:
+                self.metrics.retry(pool.name)
+            ex.attempts += 1
+            ex.instance = pool.upstream(idx).name
+            result = await self.forwarder.attempt(request, ex, endpoint, body, pool, idx, ticket)
+            if not isinstance(result, AttemptError):
+                return result
+            last = result
+            pool.note_error(idx, str(result))
+            # SPEC §6: retried "on another instance of its pool".
+            excluded |= 1 << idx
+        return last
+
+    async def _acquire(
+        self, ex: Exchange, pool: Pool, ticket: int, tenant: int, excluded: int
+    ) -> int:
+        """A slot of `pool` (queueing when saturated, SPEC §3): the granted instance.
+        Raises `QueueFull`, `QueueTimeout` (worded for the client) or `NoHealthyInstance`."""
+        assert ex.decision is not None
+        priority = ex.decision.priority
+        t_queue = time.monotonic()
+        try:
+            idx, ex.waited_as = await pool.acquire(ticket, priority, tenant, excluded)
+        except QueueFull as exc:
+            raise with_retry_after(
+                QueueFull(f"Pool {pool.name!r} is saturated and its queue is full; retry later."),
+                retry_after_ms(exc),
+            ) from None
+        except QueueTimeout as exc:
+            raise QueueTimeout(
+                f"Waited longer than the {(ex.waited_as or priority).label} queue "
+                f"allows in pool {pool.name!r}; retry later.",
+                retry_after_ms=retry_after_ms(exc),
+            ) from None
+        finally:
+            waited = time.monotonic() - t_queue
+            ex.queue_ms += waited * 1000
+        self.metrics.waited(pool.name, (ex.waited_as or priority).label, waited)
+        return idx
 
     def _spill(self, ex: Exchange, name: str) -> str:
         """Tier spill (off unless a pool sets `spill_to`): when this pool has no free slot and
