@@ -13,9 +13,11 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gateway.check import describe
 from gateway.config import (
     DEFAULT_COMPLEX_KEYWORDS,
     DEFAULT_SIMPLE_KEYWORDS,
+    MASK,
     ApiKey,
     Auth,
     Classifier,
@@ -31,9 +33,10 @@ from gateway.config import (
     Scheduler,
     Shutdown,
     Timeouts,
-    describe,
+    TlsSpec,
     expand_env,
     load_config,
+    masked,
     parse_config,
 )
 from gateway.errors import ConfigError
@@ -956,6 +959,69 @@ def test_secrets_are_masked_in_repr_and_describe() -> None:
         assert "CANARY" not in text, text
     assert "api_key='***'" in repr(inst)
     assert "X-Api-Key" in repr(inst)
+
+
+def test_proxy_credentials_are_masked_in_repr_and_describe() -> None:
+    d = _secret_config()
+    d["pools"]["heavy"]["instances"][0]["proxy"] = f"http://user:{CANARY}@proxy.internal:3128"
+    cfg = load(d, env={"UPSTREAM_KEY": CANARY})
+    inst = cfg.pools["heavy"].instances[0]
+    assert inst.proxy == f"http://user:{CANARY}@proxy.internal:3128"
+    for text in (repr(cfg), repr(inst), repr(inst.__rich_repr__()), describe(cfg)):
+        assert "CANARY" not in text and "proxy.internal" not in text, text
+    assert "proxy='***'" in repr(inst)
+
+
+def test_secrets_stay_plain_strings_for_the_code_that_sends_them() -> None:
+    cfg = load(_secret_config(), env={"UPSTREAM_KEY": CANARY})
+    inst = cfg.pools["heavy"].instances[0]
+    assert cfg.auth is not None
+    for value in (inst.api_key, inst.headers["X-Api-Key"], cfg.auth.keys[0].key):
+        assert type(value) is str
+    assert f"Bearer {inst.api_key}" == f"Bearer {CANARY}"
+    assert str(cfg.auth.admin_key) == CANARY + "-admin"
+    assert CANARY in msgspec.json.encode(cfg).decode()
+
+
+def test_masked_hides_exactly_the_secret_fields() -> None:
+    inst = InstanceSpec(
+        name="n",
+        url="http://h",
+        model="m",
+        api_key="k",
+        max_concurrency=1,
+        headers={"X-Key": "v"},
+        tls=TlsSpec(server_name="h"),
+        proxy="http://u:p@h:1",
+    )
+    assert masked(inst) == [
+        ("name", "n"),
+        ("url", "http://h"),
+        ("model", "m"),
+        ("api_key", MASK),
+        ("max_concurrency", 1),
+        ("provider", "openai"),
+        ("headers", {"X-Key": MASK}),
+        ("tls", TlsSpec(server_name="h")),
+        ("proxy", MASK),
+    ]
+    key = ApiKey(key="k", name="n", models=["a"])
+    assert dict(masked(key)) == {
+        "key": MASK,
+        "name": "n",
+        "priority": None,
+        "rpm": None,
+        "tpm": None,
+        "models": ["a"],
+    }
+    assert dict(masked(Auth(keys=[key], admin_key="a"))) == {"keys": [key], "admin_key": MASK}
+    # An unset secret shows as unset; a struct without secrets keeps the usual repr.
+    assert dict(masked(Auth(keys=[])))["admin_key"] is None
+    assert repr(Listen()) == "Listen(host='127.0.0.1', port=8080)"
+    assert repr(Auth(keys=[key])) == (
+        "Auth(keys=[ApiKey(key='***', name='n', priority=None, rpm=None, tpm=None, "
+        "models=['a'])], admin_key=None)"
+    )
 
 
 def test_describe_shows_the_routing_table() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -121,10 +122,14 @@ async def test_queue_depth_gauge_while_saturated(
 ) -> None:
     m = await mocks(latency_ms=300)
     gw = await gateway_factory(simple_config(pool_config((m, 1))))
-    tasks = [
-        asyncio.create_task(gw.post("/v1/chat/completions", chat(), headers={"X-Priority": p}))
-        for p in ("high", "low", "low")
-    ]
+
+    def send(priority: str) -> asyncio.Task[Any]:
+        headers = {"X-Priority": priority}
+        return asyncio.create_task(gw.post("/v1/chat/completions", chat(), headers=headers))
+
+    tasks = [send("high")]
+    await gw.wait_in_flight(1)
+    tasks += [send("low"), send("low")]
     await gw.wait_queued(0, 2)
     during = await _scrape(gw)
     assert _value(during, "gateway_queue_depth", pool="p", priority="low") == 2

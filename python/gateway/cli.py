@@ -9,7 +9,8 @@ import logging
 import sys
 
 from gateway import __version__
-from gateway.config import describe, load_config
+from gateway.check import describe
+from gateway.config import load_config
 from gateway.errors import ConfigError
 from gateway.logs import setup_logging
 

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
-from gateway.config import Config
+from gateway.config import Config, secret_values
 
 __all__ = ["REDACTOR", "RedactingFilter", "Redactor", "secrets_of"]
 
@@ -32,17 +32,11 @@ _KEY_LIKE = re.compile(r"\bsk-[A-Za-z0-9_\-]{6,}")
 
 
 def secrets_of(config: Config) -> set[str]:
-    """Every secret a config holds."""
-    out: set[str] = set()
-    if config.auth is not None:
-        out.update(k.key for k in config.auth.keys)
-        if config.auth.admin_key:
-            out.add(config.auth.admin_key)
+    """Every secret a config holds: each field typed `Secret`, and the credentials inside
+    a proxy URL (a log line may quote them on their own)."""
+    out = set(secret_values(config))
     for pool in config.pools.values():
         for inst in pool.instances:
-            if inst.api_key:
-                out.add(inst.api_key)
-            out.update(inst.headers.values())
             if inst.proxy:
                 parts = urlsplit(inst.proxy)
                 out.update(p for p in (parts.username, parts.password) if p)

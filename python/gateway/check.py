@@ -1,0 +1,140 @@
+"""`gateway check FILE` (SPEC §10): the resolved routing table and policy summary.
+
+Secrets are never shown: an instance's `api_key`, the admin key and client keys appear only
+as `set` / `unset`, headers by name only, proxies not at all.
+"""
+
+from __future__ import annotations
+
+from gateway.config import Config
+
+__all__ = ["describe"]
+
+_ON_OFF = {True: "on", False: "off"}
+
+
+def describe(config: Config) -> str:
+    """The resolved routing table and policy summary, as `gateway check` prints it."""
+    lines = [
+        *_policy(config),
+        *_auth(config),
+        "",
+        *_models(config),
+        "",
+        *_pools(config),
+        "",
+        _classifier(config),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _policy(c: Config) -> list[str]:
+    """Listening, request, scheduling, health, timeout and client-deadline settings."""
+    s, h, t, lim = c.scheduler, c.health, c.timeouts, c.limits
+    p = h.probe
+    probe = (
+        f"GET {p.path} every {p.interval_ms} ms (timeout {p.timeout_ms} ms)" if p.enabled else "off"
+    )
+    return [
+        f"listen      {c.listen.host}:{c.listen.port}",
+        f"requests    max_body_bytes={c.max_body_bytes} default_priority={c.default_priority}",
+        f"scheduler   {s.policy}  "
+        f"high(capacity={s.high.capacity} weight={s.high.weight} "
+        f"max_wait_ms={s.high.max_wait_ms})  "
+        f"low(capacity={s.low.capacity} weight={s.low.weight} max_wait_ms={s.low.max_wait_ms})",
+        f"            max_consecutive_high={s.max_consecutive_high} "
+        f"max_low_wait_ms={s.max_low_wait_ms} "
+        f"overflow_high_to_low={_ON_OFF[s.overflow_high_to_low]}",
+        f"balancer    {c.balancer}",
+        f"health      failure_threshold={h.failure_threshold} "
+        f"ejection_ms={h.ejection_ms}..{h.max_ejection_ms} "
+        f"half_open_max_requests={h.half_open_max_requests} "
+        f"success_threshold={h.success_threshold}",
+        f"probe       {probe}",
+        f"timeouts    connect_ms={t.connect_ms} first_byte_ms={t.first_byte_ms} "
+        f"stream_idle_ms={t.stream_idle_ms} total_ms={t.total_ms}",
+        f"retries     max_attempts={c.retries.max_attempts}",
+        f"clients     header_timeout_ms={lim.header_timeout_ms} "
+        f"body_timeout_ms={lim.body_timeout_ms} keepalive_timeout_ms={lim.keepalive_timeout_ms} "
+        f"drain_timeout_ms={c.shutdown.drain_timeout_ms}",
+    ]
+
+
+def _auth(c: Config) -> list[str]:
+    if c.auth is None:
+        return ["auth        off (no client keys)"]
+    admin = _set_or_unset(c.auth.admin_key)
+    lines = [f"auth        {len(c.auth.keys)} client key(s), admin_key: {admin}"]
+    for k in c.auth.keys:
+        extra = [f"priority={k.priority or c.default_priority}"]
+        extra += [f"rpm={k.rpm}"] if k.rpm is not None else []
+        extra += [f"tpm={k.tpm}"] if k.tpm is not None else []
+        extra += [f"models={','.join(k.models)}"] if k.models is not None else []
+        lines.append(f"              {k.name}: key: set  {' '.join(extra)}")
+    return lines
+
+
+def _models(c: Config) -> list[str]:
+    lines = ["models"]
+    width = max(len(a) for a in c.models) if c.models else 0
+    cx = c.routing.complexity
+    for alias, spec in c.models.items():
+        if spec.route == "auto":
+            target = (
+                f"auto → simple:{cx.simple} / complex:{cx.complex} "
+                f"(default {c.routing.default_complexity})"
+            )
+        else:
+            target = f"pool {spec.pool}{_chain(c, spec.pool)}"
+        lines.append(f"  {alias.ljust(width)}  → {target}")
+    return lines
+
+
+def _chain(cfg: Config, pool: str | None) -> str:
+    """` (fallback → b → c)` for a pool with a fallback chain, else empty."""
+    chain: list[str] = []
+    current = cfg.pools[pool].fallback if pool in cfg.pools else None
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = cfg.pools[current].fallback if current in cfg.pools else None
+    return f" (fallback → {' → '.join(chain)})" if chain else ""
+
+
+def _pools(c: Config) -> list[str]:
+    lines = ["pools"]
+    for name, pool in c.pools.items():
+        slots = sum(i.max_concurrency for i in pool.instances)
+        bits = [
+            f"balancer={c.pool_balancer(name)}",
+            f"fallback={pool.fallback or '-'}",
+            f"{len(pool.instances)} instance(s), {slots} slots",
+        ]
+        if pool.spill_to is not None:
+            bits.append(f"spill_to={pool.spill_to} at depth {pool.spill_queue_depth}")
+        lines.append(f"  {name}  ({', '.join(bits)})")
+        name_w = max((len(i.name) for i in pool.instances), default=0)
+        url_w = max((len(i.url) for i in pool.instances), default=0)
+        for inst in pool.instances:
+            line = (
+                f"    {inst.name.ljust(name_w)}  {inst.url.ljust(url_w)}  model={inst.model}  "
+                f"max_concurrency={inst.max_concurrency}  provider={inst.provider}  "
+                f"api_key: {_set_or_unset(inst.api_key)}"
+            )
+            if inst.headers:
+                line += f"  headers: {', '.join(inst.headers)}"
+            lines.append(line)
+    return lines
+
+
+def _classifier(c: Config) -> str:
+    cl = c.routing.classifier
+    return (
+        f"classifier  long_prompt_chars={cl.long_prompt_chars} "
+        f"code_lines_complex={cl.code_lines_complex} "
+        f"complex_keywords={len(cl.complex_keywords)} simple_keywords={len(cl.simple_keywords)}"
+    )
+
+
+def _set_or_unset(secret: str | None) -> str:
+    """How `gateway check` shows a secret: whether it is configured, never its value."""
+    return "unset" if secret is None else "set"
