@@ -210,6 +210,7 @@ class Gateway:
                     f"Use {allowed} on this route.", headers={"Allow": allowed}
                 )
                 resp = error_response(wrong)
+            self.metrics.request_done(None, None, resp.status)
         else:
             try:
                 resp = await handler(request)

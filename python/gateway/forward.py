@@ -284,10 +284,11 @@ class Forwarder:
             if status >= 400:
                 # SPEC §6: "4xx other than 408/429 is the client's fault and passes through".
                 raw = await _read_all(resp_up, watchdog, limit)
-                safe = self._scrub(upstream, raw.decode("utf-8", "replace")).encode()
+                # Scrubbed after decoding: a key spelled with JSON escapes is caught too.
+                shaped = normalize_error(raw, status).decode()
                 return web.Response(
                     status=status,
-                    body=normalize_error(safe, status),
+                    body=self._scrub(upstream, shaped).encode(),
                     content_type=_JSON,
                     headers=ex.headers(),
                 )
@@ -354,24 +355,14 @@ class Forwarder:
         deadline: float,
         max_event_bytes: int,
     ) -> tuple[web.StreamResponse | AttemptError, Outcome]:
-        """SSE passed through chunk by chunk. Until the first byte is written the attempt may
-        still be retried; after it, a failure ends the stream with an error event."""
+        """SSE passed through event by event. Until the first event is written the attempt
+        may still be retried; after it, a failure ends the stream with an error event."""
         idle = self._runtime().config.timeouts.stream_idle_ms / 1000
-        watchdog = ex.watchdog
         checker = SseChecker(max_event_bytes)
         try:
-            first = await _read_chunk(resp_up, watchdog, idle, deadline)
-            # For a stream, the first byte a user feels is the first chunk, not the head.
-            ex.ttfb = watchdog.loop.time() - started
-            if not first:
-                return AttemptError(
-                    f"{upstream.name} closed the stream before any data"
-                ), Outcome.FAILURE
-            reported = upstream_error_of(first) if first.lstrip()[:1] == b"{" else None
-            if reported is not None:
-                reason = self._scrub(upstream, reported)
-                return AttemptError(f"{upstream.name}: {reason}"), Outcome.FAILURE
-            out = checker.feed(first)
+            out, ended = await self._first_events(
+                ex, resp_up, upstream, checker, started, idle, deadline
+            )
         except AttemptError as err:
             return err, Outcome.FAILURE
         except MalformedEvent as err:
@@ -388,30 +379,10 @@ class Forwarder:
         resp = web.StreamResponse(status=200, headers=headers)
         await resp.prepare(request)
         failure: tuple[str, str] | None = None
-        # The hot loop of a token stream: no coroutine between the upstream read and the
-        # client write but the two themselves (one guard per read, not a wrapper per chunk).
-        arm, clock, readany, write = watchdog.arm, watchdog.loop.time, resp_up.readany, resp.write
         try:
-            if out:
-                await write(out)
-            while True:
-                arm(min(clock() + idle, deadline))
-                try:
-                    chunk = await readany()
-                except asyncio.CancelledError:
-                    if not watchdog.absorb():
-                        raise
-                    raise AttemptError("upstream stream stalled", timeout=True) from None
-                except OSError as exc:
-                    raise AttemptError(f"upstream cut the stream ({exc})") from None
-                if not chunk:
-                    break
-                out = checker.feed(chunk)
-                if out:
-                    await write(out)
-            out = checker.finish()
-            if out:
-                await write(out)
+            await resp.write(self._scrub_events(upstream, out, checker))
+            if not ended:
+                await self._relay_rest(ex, resp_up, resp, upstream, checker, idle, deadline)
         except asyncio.CancelledError:
             if self._hard_stopped():
                 with contextlib.suppress(Exception):
@@ -448,6 +419,98 @@ class Forwarder:
             ex.attempt_error = "the upstream sent an error event mid-stream"
             return resp, Outcome.FAILURE
         return resp, Outcome.SUCCESS
+
+    async def _first_events(
+        self,
+        ex: Exchange,
+        resp_up: Response,
+        upstream: Upstream,
+        checker: SseChecker,
+        started: float,
+        idle: float,
+        deadline: float,
+    ) -> tuple[bytes, bool]:
+        """Reads until the stream's first complete event (nothing is sent to the client
+        before, so a stream that fails here is retried like any attempt): (the events, whether
+        the stream already ended). Raises `AttemptError` or `MalformedEvent`."""
+        watchdog = ex.watchdog
+        first = True
+        while True:
+            chunk = await _read_chunk(resp_up, watchdog, idle, deadline)
+            if first:
+                # For a stream, the first byte a user feels is the first chunk, not the head.
+                ex.ttfb = watchdog.loop.time() - started
+                first = False
+                reported = upstream_error_of(chunk) if chunk.lstrip()[:1] == b"{" else None
+                if reported is not None:
+                    reason = self._scrub(upstream, reported)
+                    raise AttemptError(f"{upstream.name}: {reason}")
+            if not chunk:
+                return checker.finish(), True
+            out = checker.feed(chunk)
+            if out:
+                return out, checker.done
+
+    async def _relay_rest(
+        self,
+        ex: Exchange,
+        resp_up: Response,
+        resp: web.StreamResponse,
+        upstream: Upstream,
+        checker: SseChecker,
+        idle: float,
+        deadline: float,
+    ) -> None:
+        """The hot loop of a token stream, after its first event: no coroutine between the
+        upstream read and the client write but the two themselves (one guard per read, not a
+        wrapper per chunk). Ends at `[DONE]` (nothing after it is relayed) or the body's end."""
+        watchdog = ex.watchdog
+        arm, clock, readany, write = watchdog.arm, watchdog.loop.time, resp_up.readany, resp.write
+        scrub = self._scrub_events
+        while not checker.done:
+            arm(min(clock() + idle, deadline))
+            try:
+                chunk = await readany()
+            except asyncio.CancelledError:
+                if not watchdog.absorb():
+                    raise
+                raise AttemptError("upstream stream stalled", timeout=True) from None
+            except OSError as exc:
+                raise AttemptError(f"upstream cut the stream ({exc})") from None
+            if not chunk:
+                out = checker.finish()
+                if out:
+                    await write(scrub(upstream, out, checker))
+                return
+            out = checker.feed(chunk)
+            if out:
+                await write(scrub(upstream, out, checker))
+
+    def _scrub_events(self, upstream: Upstream, out: bytes, checker: SseChecker) -> bytes:
+        """Events about to reach the client, without the upstream's key: the raw key is
+        replaced wherever it appears; an error event (upstream text that may quote the key in
+        any JSON spelling) is rewritten in our own words from its decoded message."""
+        if checker.error_seen:
+            out = _rewrite_error_events(out, lambda text: self._scrub(upstream, text))
+        return upstream.scrub(out)
+
+
+def _rewrite_error_events(events: bytes, scrub: Callable[[str], str]) -> bytes:
+    """Each `data:` event carrying an `error` becomes `data: {"error": {...}}` in OpenAI's
+    shape, built from the decoded (so unescaped) message and scrubbed."""
+    out = []
+    for event in events.split(b"\n\n"):
+        payload = event[5:].strip() if event.startswith(b"data:") else b""
+        if payload.startswith(b"{") and b"error" in payload:
+            with contextlib.suppress(orjson.JSONDecodeError):
+                body = orjson.loads(normalize_error(payload, 502))
+                err = body["error"]
+                err["message"] = scrub(str(err.get("message") or ""))
+                err["code"] = scrub(str(err["code"])) if err.get("code") is not None else None
+                err["param"] = None
+                event = b"data: " + orjson.dumps(body)
+        out.append(event)
+    return b"\n\n".join(out)
 
 
 async def _guarded(aw: Awaitable[T], watchdog: Watchdog, late: str, broken: str) -> T:

@@ -47,9 +47,24 @@ def _boundary_end(data: bytes) -> int:
 
 
 class SseChecker:
-    """Splits a byte stream into events and validates them; see `feed`."""
+    """Splits a byte stream into events and validates them; see `feed`.
 
-    __slots__ = ("_last", "_parts", "_pending", "max_event_bytes", "upstream_error", "usage")
+    After `data: [DONE]` the stream is over (`done`): whatever follows it is never relayed.
+    A stream must carry at least one `data:` event (`finish` says so); a line that is no SSE
+    field (`data`, `event`, `id`, `retry`, or a `:` comment) is garbage, not an event.
+    """
+
+    __slots__ = (
+        "_last",
+        "_parts",
+        "_pending",
+        "data_events",
+        "done",
+        "error_seen",
+        "max_event_bytes",
+        "upstream_error",
+        "usage",
+    )
 
     def __init__(self, max_event_bytes: int = 1 << 20) -> None:
         self.max_event_bytes = max_event_bytes
@@ -58,11 +73,19 @@ class SseChecker:
         self._last = b""  # its last two bytes (a boundary may straddle two chunks)
         self.usage: dict[str, Any] | None = None
         self.upstream_error: str | None = None
+        self.done = False
+        # Whether the events `feed` last returned hold an error event (they may quote
+        # upstream text that must be scrubbed before it leaves).
+        self.error_seen = False
+        self.data_events = 0
 
     def feed(self, chunk: bytes) -> bytes:
         """Returns the complete events in `chunk` (with any carried-over start), ready to send;
         keeps an incomplete last event for the next call. Raises `MalformedEvent` (or
-        `EventTooLarge`)."""
+        `EventTooLarge`). Returns nothing once `done`."""
+        self.error_seen = False
+        if self.done:
+            return b""
         if self._pending:
             shift = len(self._last)
             end = _boundary_end(self._last + chunk[:3]) if shift else -1
@@ -83,8 +106,8 @@ class SseChecker:
             complete = chunk[:cut] if rest else chunk
         self._pending = 0
         self._last = b""
-        self._check_all(complete)
-        if rest:
+        complete = self._check_all(complete)
+        if rest and not self.done:
             self._keep(rest)
         return complete
 
@@ -98,27 +121,41 @@ class SseChecker:
             )
 
     def finish(self) -> bytes:
-        """What is left at the end of the stream (an unterminated last event), checked."""
+        """What is left at the end of the stream (an unterminated last event), checked.
+        Raises `MalformedEvent` when the stream held no event at all."""
         tail = b"".join(self._parts)
         self._parts, self._pending, self._last = [], 0, b""
-        if tail.strip():
-            self._check_all(tail)
+        self.error_seen = False
+        tail = self._check_all(tail) if tail.strip() and not self.done else b""
+        if not self.data_events and not self.done:
+            raise MalformedEvent("the stream held no event")
         return tail
 
-    def _check_all(self, events: bytes) -> None:
-        if b"\r" in events:
-            events = events.replace(b"\r\n", b"\n")
-        for event in events.split(b"\n\n"):
-            if event:
-                self._check(event)
+    def _check_all(self, events: bytes) -> bytes:
+        """Checks complete events; returns them, cut after `[DONE]` if it is among them."""
+        text = events.replace(b"\r\n", b"\n") if b"\r" in events else events
+        offset = 0
+        for event in text.split(b"\n\n"):
+            offset += len(event) + 2
+            if event and self._check(event):
+                self.done = True
+                if text is events:
+                    return events[: min(offset, len(events))]
+                return text[: min(offset, len(text))]
+        return events
 
-    def _check(self, event: bytes) -> None:
+    def _check(self, event: bytes) -> bool:
+        """Validates one event; True when it is `data: [DONE]`."""
         for line in event.split(b"\n"):
-            if not line.startswith(b"data:"):
-                continue  # comments, `event:`, `id:`, `retry:` pass as they are
-            payload = line[5:].strip()
+            if line.startswith(b"data:"):
+                payload = line[5:].strip()
+            elif not line or line.startswith((b":", b"event:", b"id:", b"retry:")):
+                continue  # comments and the other SSE fields pass as they are
+            else:
+                raise MalformedEvent("a stream line was not an SSE field")
+            self.data_events += 1
             if payload == b"[DONE]":
-                continue
+                return True
             try:
                 # The whole payload's syntax is checked; only `usage` and `error` become
                 # Python objects (the choices are skipped, which is most of the cost saved).
@@ -133,3 +170,5 @@ class SseChecker:
                 err = obj.error
                 msg = err.get("message") if isinstance(err, dict) else err
                 self.upstream_error = str(msg)[:200]
+                self.error_seen = True
+        return False
