@@ -50,9 +50,9 @@ from aiohttp import web
 from gateway import __version__, demo, report
 from gateway.app import Gateway
 from gateway.config import parse_config
-from gateway.mock import MockBehavior, MockServer
-from gateway.report import fmt_ms, percentile
 from gateway.server import Server
+from gateway.sim.mock import MockBehavior, MockServer
+from gateway.sim.report import fmt_ms, percentile
 
 BALANCERS: Final = ("least_connections", "round_robin", "random", "p2c")
 SHORT: Final = {"least_connections": "lc", "round_robin": "rr", "random": "random", "p2c": "p2c"}

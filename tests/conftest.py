@@ -12,8 +12,8 @@ import uvloop
 import yaml
 
 from gateway.config import parse_config
-from gateway.mock import MockBehavior, MockServer
 from gateway.server import Server
+from gateway.sim.mock import MockBehavior, MockServer
 from support import GatewayFactory, MockFactory, RunningGateway
 
 

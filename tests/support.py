@@ -13,7 +13,7 @@ import aiohttp
 import yaml
 
 from gateway.app import Gateway
-from gateway.mock import MockServer
+from gateway.sim.mock import MockServer
 
 MockFactory = Callable[..., Awaitable[MockServer]]
 

@@ -25,7 +25,7 @@ import aiohttp
 import pytest
 
 from gateway.dashboard import render
-from gateway.mock import MockServer
+from gateway.sim.mock import MockServer
 from support import GatewayFactory, MockFactory, RunningGateway, chat, pool_config
 
 CHROMIUM = next(

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway import demo
 from gateway.cli import build_parser
 from gateway.config import DEFAULT_COMPLEX_KEYWORDS, DEFAULT_SIMPLE_KEYWORDS, parse_config
-from gateway.report import (
+from gateway.sim import demo
+from gateway.sim.report import (
     Band,
     Bars,
     BoxGroup,

@@ -10,7 +10,7 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.mock import MockServer
+from gateway.sim.mock import MockServer
 from support import GatewayFactory, MockFactory, RunningGateway, chat, pool_config
 
 

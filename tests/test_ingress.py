@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway.mock import MockServer
+from gateway.sim.mock import MockServer
 from support import GatewayFactory, MockFactory, RunningGateway, chat, pool_config, simple_config
 
 

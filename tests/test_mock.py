@@ -20,7 +20,7 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.mock import (
+from gateway.sim.mock import (
     FAIL_MODES,
     LATENCY_DISTS,
     MockBehavior,
@@ -515,7 +515,7 @@ async def test_cli_run_serves_until_sigterm(http: aiohttp.ClientSession) -> None
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     code = (
-        "import argparse, gateway.mock as m; p = argparse.ArgumentParser(); "
+        "import argparse, gateway.sim.mock as m; p = argparse.ArgumentParser(); "
         "m.add_arguments(p); raise SystemExit(m.run(p.parse_args()))"
     )
     proc = await asyncio.create_subprocess_exec(

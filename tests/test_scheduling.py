@@ -10,7 +10,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway.mock import MockServer
+from gateway.sim.mock import MockServer
 from support import GatewayFactory, MockFactory, RunningGateway, chat, pool_config, simple_config
 
 

@@ -46,6 +46,7 @@ from gateway.errors import (
     retry_after_ms,
     with_retry_after,
 )
+from gateway.events import Events, RequestFinished
 from gateway.exchange import Exchange
 from gateway.forward import AttemptError, Forwarder, UpstreamBody
 from gateway.limits import estimate_tokens
@@ -146,7 +147,9 @@ class Gateway:
     """The HTTP surface of SPEC §7 over one `Runtime`."""
 
     def __init__(self, config: Config, *, config_path: str | None = None) -> None:
-        self.runtime = Runtime(config)
+        #: The public, typed event stream (requests answered, instance changes, probes).
+        self.events = Events()
+        self.runtime = Runtime(config, self.events)
         self.config_path = config_path
         self.draining = False
         # Set when the drain deadline passed: in-flight work is cancelled and answered 503
@@ -539,28 +542,29 @@ class Gateway:
         self.metrics.request_done(ex.pool or (d.pool if d else None), priority, ex.status)
 
     def _log(self, ex: Exchange) -> None:
-        if not access_log.isEnabledFor(logging.INFO):
+        """The request's access-log line and `RequestFinished` event (built only when someone
+        reads either)."""
+        logging_on = access_log.isEnabledFor(logging.INFO)
+        if not logging_on and not self.events:
             return
         d = ex.decision
-        access_log.info(
-            "request",
-            extra={
-                "fields": {
-                    "id": ex.request_id,
-                    "pool": ex.pool,
-                    "instance": ex.instance,
-                    "priority": (ex.waited_as or d.priority).label if d else None,
-                    "complexity": d.complexity if d else None,
-                    "rule": d.complexity_rule if d else None,
-                    "queue_ms": round(ex.queue_ms, 1),
-                    "upstream_ms": round(ex.upstream_ms, 1),
-                    "status": ex.status,
-                    "attempts": ex.attempts,
-                    "error": ex.error,
-                    "total_ms": round((time.monotonic() - ex.started) * 1000, 1),
-                }
-            },
+        event = RequestFinished(
+            id=ex.request_id,
+            pool=ex.pool,
+            instance=ex.instance,
+            priority=(ex.waited_as or d.priority).label if d else None,
+            complexity=d.complexity if d else None,
+            rule=d.complexity_rule if d else None,
+            queue_ms=round(ex.queue_ms, 1),
+            upstream_ms=round(ex.upstream_ms, 1),
+            status=ex.status,
+            attempts=ex.attempts,
+            error=ex.error,
+            total_ms=round((time.monotonic() - ex.started) * 1000, 1),
         )
+        if logging_on:
+            access_log.info("request", extra={"fields": event.fields()})
+        self.events.publish(event)
 
 
 def _draining(message: str) -> Draining:

@@ -73,12 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="validate a config and print the routing table")
     p.add_argument("file")
 
-    from gateway import mock
+    from gateway.sim import mock
 
     p = sub.add_parser("mock", help="an OpenAI-compatible simulated model server")
     mock.add_arguments(p)
 
-    from gateway import demo
+    from gateway.sim import demo
 
     p = sub.add_parser("demo", help="simulated pools, a judge workload and an injected failure")
     demo.add_arguments(p)
@@ -94,10 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return asyncio.run(serve(args))
     if args.command == "mock":
-        from gateway import mock
+        from gateway.sim import mock
 
         return mock.run(args)
-    from gateway import demo
+    from gateway.sim import demo
 
     return demo.run(args)
 

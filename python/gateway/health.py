@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 
+from gateway.events import ProbeFinished
 from gateway.runtime import Runtime
 
 __all__ = ["Prober"]
@@ -64,6 +65,9 @@ class Prober:
                         "fields": {"pool": pool.name, "instance": name, "error": type(ok).__name__}
                     },
                 )
+            events = self.runtime.events
+            if events:
+                events.publish(ProbeFinished(pool.name, name, passed))
             # State changes this causes are logged by the scheduler's transition hook.
             try:
                 pool.record_probe(idx, passed)

@@ -22,6 +22,7 @@ from gateway import _core
 from gateway._core import InstanceState, Outcome, Priority
 from gateway.config import Config, PoolSpec
 from gateway.errors import GatewayError
+from gateway.events import Events, InstanceChanged
 from gateway.scheduler import PoolScheduler, now_ms
 from gateway.upstream import Upstream
 
@@ -127,9 +128,10 @@ def _display_state(info: _core.InstanceInfo, now: int) -> str:
 class Pool:
     """A set of interchangeable instances with one dual queue (SPEC §3, §5, §6)."""
 
-    def __init__(self, name: str, spec: PoolSpec, config: Config) -> None:
+    def __init__(self, name: str, spec: PoolSpec, config: Config, events: Events) -> None:
         self.name = name
         self.spec = spec
+        self._events = events
         self._core = _core.Pool(core_config(config, spec), seed=config.seed)
         self._scheduler = PoolScheduler(name, self._core, self._on_transition)
         # The core's instance i is _upstreams[i]; removed ones stay until their slot is reused.
@@ -243,13 +245,16 @@ class Pool:
         # SPEC §9 lifecycle events: ejected, half-open, restored.
         event = {"healthy": "restored"}.get(state.label, state.label)
         info = self._core.instance(index, now_ms())
+        name = self._upstreams[index].name
+        if self._events:
+            self._events.publish(InstanceChanged(self.name, name, state.label, info.ejections))
         log.log(
             logging.WARNING if event == "ejected" else logging.INFO,
             f"instance {event}",
             extra={
                 "fields": {
                     "pool": self.name,
-                    "instance": self._upstreams[index].name,
+                    "instance": name,
                     "state": state.label,
                     "ejections": info.ejections,
                 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 from gateway.config import Config
+from gateway.events import Events
 from gateway.pool import Pool
 from gateway.router import Router
 
@@ -15,11 +16,12 @@ __all__ = ["Runtime"]
 class Runtime:
     """Pools and routing of the running config."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, events: Events | None = None) -> None:
         self.config = config
+        self.events = events if events is not None else Events()
         self.router = Router(config)
         self.pools: dict[str, Pool] = {
-            name: Pool(name, spec, config) for name, spec in config.pools.items()
+            name: Pool(name, spec, config, self.events) for name, spec in config.pools.items()
         }
         # Pools removed by a reload, kept until their last attempt finished.
         self.retired: list[Pool] = []
@@ -45,7 +47,7 @@ class Runtime:
         for name, spec in config.pools.items():
             pool = self.pools.get(name)
             if pool is None:
-                pool = Pool(name, spec, config)
+                pool = Pool(name, spec, config, self.events)
             else:
                 pool.reconfigure(spec, config)
             pools[name] = pool

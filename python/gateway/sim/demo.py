@@ -45,8 +45,10 @@ import orjson
 from gateway import __version__
 from gateway.app import Gateway
 from gateway.config import parse_config
-from gateway.mock import MockBehavior, MockServer
-from gateway.report import (
+from gateway.events import Events, GatewayEvent, ProbeFinished, RequestFinished
+from gateway.server import Server
+from gateway.sim.mock import MockBehavior, MockServer
+from gateway.sim.report import (
     Band,
     Bars,
     BoxGroup,
@@ -63,7 +65,6 @@ from gateway.report import (
     percentile,
     timeline_chart,
 )
-from gateway.server import Server
 
 __all__ = [
     "DemoResult",
@@ -469,52 +470,50 @@ class Event:
 
 
 class LogCapture(logging.Handler):
-    """Keeps the gateway's logs for the report instead of printing them over the progress
-    line: access lines (attempts per request), probe results, and any warning."""
+    """What the run observed of the gateway, for the report: each answered request and every
+    probe result and instance change from the gateway's typed event stream
+    (`gateway.events`), and any warning it logged (shown, not parsed, instead of printed
+    over the progress line)."""
 
     def __init__(self, wall_start: float) -> None:
-        super().__init__(logging.INFO)
+        super().__init__(logging.WARNING)
         self.wall_start = wall_start
         self.access: dict[str, dict[str, Any]] = {}
         self.probe_failures: list[tuple[float, str]] = []  # (t, instance)
         self.probe_changes: list[tuple[float, str, str]] = []  # (t, instance, new state)
         self.warnings: list[str] = []
 
+    def on_event(self, event: GatewayEvent) -> None:
+        t = event.at - self.wall_start
+        if isinstance(event, RequestFinished):
+            self.access[event.id] = {**event.fields(), "t": t}
+        elif isinstance(event, ProbeFinished):
+            if not event.ok:
+                self.probe_failures.append((t, event.instance))
+        else:
+            self.probe_changes.append((t, event.instance, event.state))
+
     def emit(self, record: logging.LogRecord) -> None:
-        fields = getattr(record, "fields", None)
         t = record.created - self.wall_start
-        if record.name == "gateway.access" and isinstance(fields, dict):
-            rid = fields.get("id")
-            if isinstance(rid, str):
-                self.access[rid] = {**fields, "t": t}
-        elif record.name == "gateway.health" and isinstance(fields, dict):
-            name = str(fields.get("instance"))
-            if record.getMessage() == "probe failed":
-                self.probe_failures.append((t, name))
-            elif "state" in fields:
-                self.probe_changes.append((t, name, str(fields["state"])))
-        elif record.levelno >= logging.WARNING:
-            self.warnings.append(f"{t:6.1f}s {record.name}: {record.getMessage()}")
+        self.warnings.append(f"{t:6.1f}s {record.name}: {record.getMessage()}")
 
 
 @contextlib.contextmanager
-def _captured_logs(capture: LogCapture) -> Iterator[None]:
-    """Routes the `gateway` and `aiohttp` loggers to `capture` for the run, then restores."""
+def _captured_logs(capture: LogCapture, events: Events) -> Iterator[None]:
+    """Subscribes `capture` to the gateway's events and routes the `gateway` and `aiohttp`
+    loggers' warnings to it for the run (the access log stays quiet), then restores."""
     saved: list[tuple[logging.Logger, int, bool, list[logging.Handler]]] = []
     for name in ("gateway", "aiohttp"):
         logger = logging.getLogger(name)
         saved.append((logger, logger.level, logger.propagate, logger.handlers[:]))
         logger.handlers = [capture]
         logger.propagate = False
-        # INFO: the access log is written only when someone listens at INFO.
-        logger.setLevel(logging.INFO if name == "gateway" else logging.WARNING)
-    access = logging.getLogger("gateway.access")
-    access_level = access.level
-    access.setLevel(logging.INFO)
+        logger.setLevel(logging.WARNING)
+    unsubscribe = events.subscribe(capture.on_event)
     try:
         yield
     finally:
-        access.setLevel(access_level)
+        unsubscribe()
         for logger, level, propagate, handlers in saved:
             logger.handlers = handlers
             logger.propagate = propagate
@@ -642,7 +641,7 @@ async def _drive(
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
     timeout = aiohttp.ClientTimeout(total=120)
     progress = _Progress(out, result, enabled=result.options.progress)
-    with _captured_logs(capture):
+    with _captured_logs(capture, gateway.events):
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             sampler = asyncio.create_task(
                 _sample(gateway, result, now, progress, finished), name="demo-sampler"
