@@ -17,7 +17,6 @@ from gateway.auth import KeyRing
 from gateway.config import load_config
 from gateway.dashboard import render as render_dashboard
 from gateway.errors import ConfigError, InvalidConfig
-from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.pool import InstanceSnapshot, PoolSnapshot, now_ms
 from gateway.redact import REDACTOR, secrets_of
 
@@ -125,8 +124,10 @@ class Admin:
         return web.Response(body=body, content_type=_JSON)
 
     async def metrics(self, request: web.BaseRequest) -> web.StreamResponse:
-        resp = web.Response(body=self.gw.metrics.render())
-        resp.headers["Content-Type"] = METRICS_CONTENT_TYPE
+        # OpenMetrics (with exemplars) when the scraper asks for it, else the classic text.
+        body, content_type = self.gw.metrics.exposition(request.headers.get("Accept"))
+        resp = web.Response(body=body)
+        resp.headers["Content-Type"] = content_type
         return resp
 
     async def dashboard(self, request: web.BaseRequest) -> web.StreamResponse:

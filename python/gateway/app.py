@@ -22,6 +22,7 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from gateway import telemetry
 from gateway.admin import Admin
 from gateway.auth import KeyRing
 from gateway.config import Config
@@ -173,6 +174,8 @@ class Gateway:
         for method, path in self._routes:
             self._allowed[path] = ", ".join(filter(None, (self._allowed.get(path), method)))
         REDACTOR.add(secrets_of(config))
+        # OpenTelemetry traces: None (and nothing imported) unless an OTLP endpoint is set.
+        self.tracing = telemetry.setup(config)
         self.forwarder = Forwarder(
             lambda: self.runtime, self.metrics, REDACTOR, lambda: self._hard_stopped
         )
@@ -236,6 +239,8 @@ class Gateway:
 
     async def close(self) -> None:
         await self.runtime.close()
+        if self.tracing is not None:
+            await self.tracing.close()
 
     async def drain(self, site: web.BaseSite) -> None:
         """SPEC §7 "SIGTERM drains": `/readyz` turns 503, new connections stop, in-flight and
@@ -300,6 +305,9 @@ class Gateway:
         task = asyncio.current_task(loop)
         assert task is not None
         ex = Exchange(self._request_id(request, ticket), time.monotonic(), Watchdog(loop, task))
+        if self.tracing is not None:
+            ex.span = self.tracing.request(request.headers, request.path)
+            ex.trace_id = ex.span.trace_id
         self._active.add(task)
         try:
             resp = await self._serve(request, ex, endpoint, ticket)
@@ -352,6 +360,8 @@ class Gateway:
         ex.decision = self.runtime.router.decide(
             data["model"], request.headers, data, tenant.priority
         )
+        if ex.span is not None:
+            ex.span.routed(data["model"])
         body = _upstream_body(data)
         limits = tenant.limits
         held = self._hold(body.size)
@@ -483,8 +493,15 @@ class Gateway:
             if ex.attempts:
                 self.metrics.retry(pool.name)
             ex.attempts += 1
-            ex.instance = pool.upstream(idx).name
+            up = pool.upstream(idx)
+            ex.instance = up.name
+            aspan = None
+            if ex.span is not None:
+                aspan = ex.span.attempt(ex.attempts, pool.name, up.name, up.model, up.base_url)
+                ex.trace_headers = aspan.header
             result = await self.forwarder.attempt(request, ex, endpoint, body, pool, idx, ticket)
+            if aspan is not None:
+                aspan.end(result, ex)
             if not isinstance(result, AttemptError):
                 return result
             last = result
@@ -501,6 +518,7 @@ class Gateway:
         assert ex.decision is not None
         priority = ex.decision.priority
         t_queue = time.monotonic()
+        qspan = ex.span.queue(pool.name) if ex.span is not None else None
         try:
             idx, ex.waited_as = await pool.acquire(ticket, priority, tenant, excluded)
         except QueueFull as exc:
@@ -517,7 +535,11 @@ class Gateway:
         finally:
             waited = time.monotonic() - t_queue
             ex.queue_ms += waited * 1000
-        self.metrics.waited(pool.name, (ex.waited_as or priority).label, waited)
+            if qspan is not None:
+                # the error in flight, if any (QueueFull, QueueTimeout, NoHealthyInstance,
+                # a cancellation) is read by the span itself
+                qspan.end((ex.waited_as or priority).label, waited)
+        self.metrics.waited(pool.name, (ex.waited_as or priority).label, waited, ex.trace_id)
         return idx
 
     def _spill(self, ex: Exchange, name: str) -> str:
@@ -540,6 +562,8 @@ class Gateway:
         d = ex.decision
         priority = (ex.waited_as or d.priority).label if d is not None else None
         self.metrics.request_done(ex.pool or (d.pool if d else None), priority, ex.status)
+        if ex.span is not None:
+            ex.span.end(ex)
 
     def _log(self, ex: Exchange) -> None:
         """The request's access-log line and `RequestFinished` event (built only when someone

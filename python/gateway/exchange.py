@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway._core import Priority
 from gateway.deadline import Watchdog
 from gateway.router import Decision
+
+if TYPE_CHECKING:
+    from gateway.telemetry import RequestSpan
 
 __all__ = ["Exchange"]
 
@@ -35,6 +38,11 @@ class Exchange:
     spilled_from: str | None = None
     # Why the current attempt failed after the response started (for /admin/state).
     attempt_error: str | None = None
+    # Tracing (gateway.telemetry), when on: the request's span, its trace id when sampled
+    # (exemplars, log line), and the trace-context header lines for the current attempt.
+    span: RequestSpan | None = None
+    trace_id: str | None = None
+    trace_headers: bytes = b""
 
     def begin_attempt(self) -> None:
         """Forgets what the previous attempt learned (a retry starts afresh)."""

@@ -258,7 +258,7 @@ class Forwarder:
             # SPEC §6 timeouts: first byte, then the attempt's total.
             watchdog.arm(min(t0 + timeouts.first_byte_ms / 1000, deadline))
             resp_up = await _guarded(
-                upstream.open(endpoint.path, body.for_model(upstream.model)),
+                upstream.open(endpoint.path, body.for_model(upstream.model), ex.trace_headers),
                 watchdog,
                 f"{upstream.name} sent no response head in time",
                 "upstream connection failed",
@@ -339,7 +339,7 @@ class Forwarder:
                 # A failure after the response started (the others are noted by the caller).
                 pool.note_error(idx, ex.attempt_error)
             ex.upstream_ms += elapsed * 1000
-            self._metrics.attempt(pool.name, upstream.name, ex.ttfb, elapsed)
+            self._metrics.attempt(pool.name, upstream.name, ex.ttfb, elapsed, ex.trace_id)
             if ex.usage is not None and outcome is Outcome.SUCCESS:
                 self._metrics.used_tokens(pool.name, upstream.name, ex.usage)
         except Exception:

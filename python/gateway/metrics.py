@@ -41,6 +41,7 @@ __all__ = ["CONTENT_TYPE", "OPENMETRICS_CONTENT_TYPE", "Metrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OPENMETRICS_CONTENT_TYPE = openmetrics.CONTENT_TYPE_LATEST
+_openmetrics_latest: Callable[[CollectorRegistry], bytes] = openmetrics.generate_latest
 
 # Queue waits span 0 (idle gateway) to minutes (batch backlog); LLM latencies 50 ms to minutes.
 _WAIT_BUCKETS = (
@@ -221,9 +222,7 @@ class Metrics:
     def request_done(self, pool: str | None, priority: str | None, status: int) -> None:
         self._child(self.requests, pool or "", priority or "", str(status)).inc()
 
-    def waited(
-        self, pool: str, priority: str, seconds: float, trace_id: str | None = None
-    ) -> None:
+    def waited(self, pool: str, priority: str, seconds: float, trace_id: str | None = None) -> None:
         """A slot grant after `seconds` in the queue; `trace_id` (hex, of a sampled trace)
         becomes the bucket's exemplar."""
         child = self._child(self.queue_wait, pool, priority)
@@ -242,7 +241,12 @@ class Metrics:
     ) -> None:
         """One finished attempt; `trace_id` (hex, of a sampled trace) becomes the exemplar of
         both histograms' buckets."""
-        exemplar = None if trace_id is None else {"trace_id": trace_id}
+        if trace_id is None:
+            if ttfb is not None:
+                self._child(self.ttfb, pool, instance).observe(ttfb)
+            self._child(self.upstream_latency, pool, instance).observe(total)
+            return
+        exemplar = {"trace_id": trace_id}
         if ttfb is not None:
             self._child(self.ttfb, pool, instance).observe(ttfb, exemplar)
         self._child(self.upstream_latency, pool, instance).observe(total, exemplar)
@@ -278,7 +282,7 @@ class Metrics:
             for item in accept.split(","):
                 media, _, params = item.partition(";")
                 if media.strip().lower() == "application/openmetrics-text" and not _q_zero(params):
-                    return openmetrics.generate_latest(self.registry), OPENMETRICS_CONTENT_TYPE
+                    return _openmetrics_latest(self.registry), OPENMETRICS_CONTENT_TYPE
         return generate_latest(self.registry), CONTENT_TYPE
 
 
