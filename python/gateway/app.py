@@ -15,7 +15,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import orjson
@@ -24,7 +24,7 @@ from aiohttp.web_protocol import RequestHandler
 
 from gateway import telemetry
 from gateway.admin import Admin
-from gateway.auth import KeyRing
+from gateway.auth import KeyRing, Tenant
 from gateway.config import Config
 from gateway.deadline import Watchdog
 from gateway.errors import (
@@ -352,14 +352,68 @@ class Gateway:
         raw = await self._read_body(request, ex.watchdog)
         data = parse_request(raw, endpoint)
         del raw  # SPEC §16: a queued request holds one copy of its bytes, not three
+        return await self._route(request, request.headers, ex, endpoint, ticket, tenant, data)
+
+    async def call(
+        self,
+        endpoint: Endpoint,
+        raw: bytes,
+        tenant: Tenant,
+        *,
+        request_id: str,
+        priority: str = "low",
+    ) -> tuple[int, bytes]:
+        """Serves one request from inside the process (a Batch API line, SPEC §14): the same
+        validation, routing, scheduling, retries, health, key limits and accounting as an HTTP
+        request, at `priority` (low: the key's default priority does not raise it), never
+        streamed. Returns the HTTP status and body the client would have seen."""
+        ticket = self.runtime.next_ticket()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task(loop)
+        assert task is not None
+        ex = Exchange(request_id, time.monotonic(), Watchdog(loop, task), source="batch")
+        resp: web.StreamResponse
+        try:
+            if self.draining:
+                raise _draining("The gateway is shutting down.")
+            data = parse_request(raw, endpoint)
+            if data.get("stream"):
+                raise InvalidRequest("Batch requests cannot stream.", param="stream")
+            headers = {"X-Priority": priority}
+            resp = await self._route(None, headers, ex, endpoint, ticket, tenant, data)
+        except (RequestError, QueueFull, NoHealthyInstance) as err:
+            ex.status, ex.error, _ = answer_of(err)
+            self.metrics.rejected(ex.error)
+            resp = error_response(err)
+        except Exception:
+            log.exception("unhandled error", extra={"fields": {"id": ex.request_id}})
+            ex.status, ex.error = 500, "internal_error"
+            resp = error_response(InternalError("Internal gateway error."))
+        ex.status = ex.status or resp.status
+        self._observe(ex)
+        self._log(ex)
+        body = resp.body if isinstance(resp, web.Response) else b""
+        return resp.status, body if isinstance(body, bytes) else b""
+
+    async def _route(
+        self,
+        request: web.BaseRequest | None,
+        headers: Mapping[str, str],
+        ex: Exchange,
+        endpoint: Endpoint,
+        ticket: int,
+        tenant: Tenant,
+        data: dict[str, Any],
+    ) -> web.StreamResponse:
+        """Classify and route (SPEC §4), then admit, queue, balance and forward."""
         if tenant.models is not None and data["model"] not in tenant.models:
             # Like OpenAI: an alias this key may not use does not exist for it.
             raise ModelNotFound(
                 "The model does not exist or this API key has no access to it.", param="model"
             )
-        ex.decision = self.runtime.router.decide(
-            data["model"], request.headers, data, tenant.priority
-        )
+        ex.decision = self.runtime.router.decide(data["model"], headers, data, tenant.priority)
         if ex.span is not None:
             ex.span.routed(data["model"])
         body = _upstream_body(data)
@@ -430,7 +484,7 @@ class Gateway:
 
     async def _dispatch(
         self,
-        request: web.BaseRequest,
+        request: web.BaseRequest | None,
         ex: Exchange,
         endpoint: Endpoint,
         body: UpstreamBody,
@@ -472,7 +526,7 @@ class Gateway:
 
     async def _try_pool(
         self,
-        request: web.BaseRequest,
+        request: web.BaseRequest | None,
         ex: Exchange,
         endpoint: Endpoint,
         body: UpstreamBody,
@@ -585,6 +639,7 @@ class Gateway:
             attempts=ex.attempts,
             error=ex.error,
             total_ms=round((time.monotonic() - ex.started) * 1000, 1),
+            source=ex.source,
         )
         if logging_on:
             access_log.info("request", extra={"fields": event.fields()})

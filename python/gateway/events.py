@@ -37,6 +37,8 @@ class RequestFinished:
     attempts: int
     error: str | None
     total_ms: float
+    # "http", or "batch" for a Batch API line (SPEC §14: marked as such in the access log).
+    source: str = "http"
     at: float = field(default_factory=time.time)
 
     def fields(self) -> dict[str, Any]:

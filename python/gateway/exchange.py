@@ -38,6 +38,8 @@ class Exchange:
     spilled_from: str | None = None
     # Why the current attempt failed after the response started (for /admin/state).
     attempt_error: str | None = None
+    # Who asked: "http" (a client), or "batch" (a Batch API line run by the gateway itself).
+    source: str = "http"
     # Tracing (gateway.telemetry), when on: the request's span, its trace id when sampled
     # (exemplars, log line), and the trace-context header lines for the current attempt.
     span: RequestSpan | None = None

@@ -232,7 +232,7 @@ class Forwarder:
 
     async def attempt(
         self,
-        request: web.BaseRequest,
+        request: web.BaseRequest | None,
         ex: Exchange,
         endpoint: Endpoint,
         body: UpstreamBody,
@@ -292,7 +292,7 @@ class Forwarder:
                     content_type=_JSON,
                     headers=ex.headers(),
                 )
-            if body.stream and resp_up.content_type == "text/event-stream":
+            if body.stream and request is not None and resp_up.content_type == "text/event-stream":
                 result, outcome = await self._relay_stream(
                     request, ex, resp_up, upstream, t0, deadline, config.limits.max_event_bytes
                 )
