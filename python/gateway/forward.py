@@ -59,6 +59,8 @@ T = TypeVar("T")
 log = logging.getLogger("gateway")
 
 _JSON = "application/json"
+# A client whose unsent stream bytes exceed this pauses the upstream (SPEC §16: bounded).
+_CLIENT_HIGH_WATER = 256 * 1024
 
 #: Body fields that could steer a request elsewhere; never forwarded (SPEC §7).
 URL_FIELDS = frozenset(("api_base", "base_url", "api_key", "organization", "extra_headers"))
@@ -382,7 +384,17 @@ class Forwarder:
         try:
             await resp.write(self._scrub_events(upstream, out, checker))
             if not ended:
-                await self._relay_rest(ex, resp_up, resp, upstream, checker, idle, deadline)
+                transport = request.transport
+                # aiohttp frames the body as chunks on HTTP/1.1 (its writer says so): the
+                # splice writes the same framing itself; anything else takes the plain loop.
+                writer = getattr(resp, "_payload_writer", None)
+                chunked = writer is not None and getattr(writer, "chunked", False) is True
+                if chunked and transport is not None and not resp.compression:
+                    await self._splice_rest(
+                        ex, resp_up, resp, transport, upstream, checker, idle, deadline
+                    )
+                else:
+                    await self._relay_rest(ex, resp_up, resp, upstream, checker, idle, deadline)
         except asyncio.CancelledError:
             if self._hard_stopped():
                 with contextlib.suppress(Exception):
@@ -485,6 +497,65 @@ class Forwarder:
             out = checker.feed(chunk)
             if out:
                 await write(scrub(upstream, out, checker))
+
+    async def _splice_rest(
+        self,
+        ex: Exchange,
+        resp_up: Response,
+        resp: web.StreamResponse,
+        transport: asyncio.Transport,
+        upstream: Upstream,
+        checker: SseChecker,
+        idle: float,
+        deadline: float,
+    ) -> None:
+        """The token stream's hot path, after its first event (the headers went out with it):
+        the upstream connection's callback checks each piece's events and writes them, framed
+        as HTTP chunks, straight to the client's transport — no task switch, future or write
+        coroutine per event. The task only waits for the end, a failure, or the client to
+        drain (flow control: the upstream is paused while the client's buffer is over
+        `_CLIENT_HIGH_WATER`). Same checks and endings as `_relay_rest`."""
+        watchdog = ex.watchdog
+        arm, clock = watchdog.arm, watchdog.loop.time
+        write, buffered = transport.write, transport.get_write_buffer_size
+        is_closing = transport.is_closing
+        scrub = self._scrub_events
+
+        def sink(data: bytes) -> bool:
+            if is_closing():
+                return False  # the client left; the task learns it from its cancellation
+            arm(min(clock() + idle, deadline))
+            out = checker.feed(data)
+            if out:
+                out = scrub(upstream, out, checker)
+                write(b"%x\r\n%b\r\n" % (len(out), out))
+                if buffered() > _CLIENT_HIGH_WATER:
+                    resp_up.pause_reading()
+            return not checker.done
+
+        writer = getattr(resp, "_payload_writer", None)  # aiohttp's StreamWriter
+
+        async def drain() -> None:
+            # aiohttp's writer waits while the client's transport has paused writing (its
+            # buffer over the transport's high-water mark) and returns once it resumed.
+            if writer is not None:
+                await writer.drain()
+
+        arm(min(clock() + idle, deadline))
+        try:
+            ended = await resp_up.relay(sink, drain)
+        except asyncio.CancelledError:
+            if not watchdog.absorb():
+                raise
+            raise AttemptError("upstream stream stalled", timeout=True) from None
+        except OSError as exc:
+            raise AttemptError(f"upstream cut the stream ({exc})") from None
+        if is_closing():
+            raise ConnectionResetError("the client left")
+        if ended:
+            out = checker.finish()
+            if out:
+                await resp.write(scrub(upstream, out, checker))
 
     def _scrub_events(self, upstream: Upstream, out: bytes, checker: SseChecker) -> bytes:
         """Events about to reach the client, without the upstream's key: the raw key is
