@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import contextlib
+import tracemalloc
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from gateway.http1 import Client, ConnectError
+from gateway import http1
+from gateway.http1 import BodyTooLarge, Client, ConnectError
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], "asyncio.Future[None] | None"]
 
@@ -176,3 +179,508 @@ async def test_cancellation_cuts_the_connection(client_factory: Callable[[int], 
         srv.responses = [OK]
         assert await _get(c) == (200, b"{}")
         assert srv.connections == 2
+
+
+# --- framing faults: a connection that broke framing is lost, never another request's answer
+
+
+class ScriptServer:
+    """Runs `script(reader, writer, index)` for each accepted connection (index from 0)."""
+
+    def __init__(self, script: Callable[..., Awaitable[None]]) -> None:
+        self.script = script
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+        self.port = 0
+        self.writers: list[asyncio.StreamWriter] = []
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        index = self.connections
+        self.connections += 1
+        self.writers.append(writer)
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            await self.script(reader, writer, index)
+        writer.close()
+
+    async def __aenter__(self) -> ScriptServer:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        for writer in self.writers:
+            writer.transport.abort()
+        await self.server.wait_closed()
+        await asyncio.sleep(0.01)
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return head + await reader.readexactly(length)
+
+
+def answer(body: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+async def _post(c: Client, body: bytes) -> tuple[int, bytes]:
+    return await _get(c, body)
+
+
+def echo_script(first: bytes) -> Callable[..., Awaitable[None]]:
+    """The first answer on the first connection is `first`; every other request is answered
+    with its own body (so a shifted answer shows)."""
+
+    async def script(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int
+    ) -> None:
+        n = 0
+        while True:
+            request = await read_request(reader)
+            body = request.split(b"\r\n\r\n", 1)[1]
+            writer.write(first if index == 0 and n == 0 else answer(body))
+            n += 1
+            await writer.drain()
+
+    return script
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        b"EXTRA",  # bytes past Content-Length
+        answer(b"EVIL"),  # a second response in the same write
+        b"\r\n" + answer(b"EVIL"),
+    ],
+)
+async def test_bytes_past_the_response_lose_the_connection(
+    client_factory: Callable[[int], Client], extra: bytes
+) -> None:
+    async with ScriptServer(echo_script(answer(b"one") + extra)) as srv:
+        c = client_factory(srv.port)
+        assert await _post(c, b"one") == (200, b"one")  # the response itself is complete
+        assert not c._idle  # ... but its connection is not pooled
+        for body in (b"two", b"three"):
+            assert await _post(c, body) == (200, body)
+        assert srv.connections == 2
+
+
+async def test_bytes_past_the_response_arriving_later_lose_the_connection(
+    client_factory: Callable[[int], Client],
+) -> None:
+    async def script(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int
+    ) -> None:
+        while True:
+            body = (await read_request(reader)).split(b"\r\n\r\n", 1)[1]
+            writer.write(answer(body))
+            if index == 0:
+                await writer.drain()
+                await asyncio.sleep(0.05)
+                writer.write(answer(b"EVIL"))
+            await writer.drain()
+
+    async with ScriptServer(script) as srv:
+        c = client_factory(srv.port)
+        resp = await c.request(c.head("POST", "/v1/x", ""), b"held")
+        await asyncio.sleep(0.1)  # the stray answer arrives while the response is held
+        assert await resp.read() == b"held"
+        resp.release()
+        assert not c._idle
+        assert await _post(c, b"two") == (200, b"two")
+        assert srv.connections == 2
+
+
+async def test_unsolicited_408_on_an_idle_connection_closes_it(
+    client_factory: Callable[[int], Client],
+) -> None:
+    timeout = b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 7\r\n\r\ntimeout"
+
+    async def script(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int
+    ) -> None:
+        body = (await read_request(reader)).split(b"\r\n\r\n", 1)[1]
+        writer.write(answer(body))
+        if index == 0:
+            await asyncio.sleep(0.05)
+            writer.write(timeout)  # and keeps the connection open: a reuse would read it
+            await asyncio.sleep(10)
+        while True:
+            body = (await read_request(reader)).split(b"\r\n\r\n", 1)[1]
+            writer.write(answer(body))
+
+    async with ScriptServer(script) as srv:
+        c = client_factory(srv.port)
+        assert await _post(c, b"one") == (200, b"one")
+        assert len(c._idle) == 1
+        await asyncio.sleep(0.15)
+        assert await _post(c, b"two") == (200, b"two")
+        assert await _post(c, b"three") == (200, b"three")
+        assert srv.connections == 2
+
+
+async def test_a_probe_never_leaves_bytes_for_a_request() -> None:
+    """Health probes share the pool: a probe answered with bytes past its end must not hand
+    them to the next real request."""
+    from gateway.config import InstanceSpec, Timeouts
+    from gateway.upstream import Upstream
+
+    async def script(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int
+    ) -> None:
+        while True:
+            request = await read_request(reader)
+            if request.startswith(b"GET"):
+                writer.write(answer(b'{"data": []}') + answer(b'{"shifted": true}'))
+            else:
+                writer.write(answer(b'{"real": true}'))
+
+    async with ScriptServer(script) as srv:
+        spec = InstanceSpec(
+            name="u", url=f"http://127.0.0.1:{srv.port}/v1", model="m", max_concurrency=1
+        )
+        up = Upstream(spec, Timeouts())
+        try:
+            assert await up.probe("/v1/models", 2) is True
+            resp = await up.open("/chat/completions", b"{}")
+            assert await resp.read() == b'{"real": true}'
+            resp.release()
+            assert srv.connections == 2
+        finally:
+            await up.close()
+
+
+async def test_a_probe_never_raises() -> None:
+    from gateway.config import InstanceSpec, Timeouts
+    from gateway.upstream import Upstream
+
+    big = b"HTTP/1.1 200 OK\r\nContent-Length: 2000000\r\n\r\n" + b"x" * 2_000_000
+
+    async def script(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int
+    ) -> None:
+        await read_request(reader)
+        writer.write([big, "HTTP/1.1 ²00 OK\r\n\r\n".encode()][index % 2])
+        await writer.drain()
+
+    async with ScriptServer(script) as srv:
+        spec = InstanceSpec(
+            name="u", url=f"http://127.0.0.1:{srv.port}/v1", model="m", max_concurrency=1
+        )
+        up = Upstream(spec, Timeouts())
+        try:
+            assert await up.probe("/v1/models", 2) is False  # body over the probe's bound
+            assert await up.probe("/v1/models", 2) is False  # a broken status line
+            assert not up._client._idle
+        finally:
+            await up.close()
+        dead = Upstream(
+            InstanceSpec(name="d", url="http://127.0.0.1:9/v1", model="m", max_concurrency=1),
+            Timeouts(),
+        )
+        assert await dead.probe("/v1/models", 2) is False
+        await dead.close()
+
+
+# --- strict parsing: each violation is a ConnectionResetError and the connection is lost
+
+HEAD = b"HTTP/1.1 200 OK\r\n"
+CHUNKED = HEAD + b"Transfer-Encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        CHUNKED + b"0x2\r\n{}\r\n0\r\n\r\n",
+        CHUNKED + b"+2\r\n{}\r\n0\r\n\r\n",
+        CHUNKED + b"2_0\r\n" + b"x" * 32 + b"\r\n0\r\n\r\n",
+        CHUNKED + b" 2\r\n{}\r\n0\r\n\r\n",
+        CHUNKED + b"2\n{}\r\n0\r\n\r\n",
+        CHUNKED + b"2\r\n{}XX0\r\n\r\n",
+        CHUNKED + b"1FFFFFFFFFFFFFFFF\r\nx",  # overflows 64 bits
+        b"HTTP/1.1 099 Too Low\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 600 Too High\r\nContent-Length: 0\r\n\r\n",
+        "HTTP/1.1 ²00 OK\r\nContent-Length: 0\r\n\r\n".encode(),
+        b"HTTP/1.1 2000 OK\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/2.0 200 OK\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\nContent-Length: 0\n\n",  # bare LF
+        HEAD + b"X-A: 1\nContent-Length: 0\r\n\r\n",
+        HEAD + b"X-A: 1\r\n folded\r\nContent-Length: 0\r\n\r\n",  # obs-fold
+        HEAD + b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+        HEAD + b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}x",
+        HEAD + b"Content-Length: 2, 3\r\n\r\n{}x",
+        HEAD + b"Content-Length: +2\r\n\r\n{}",
+        HEAD + b"Transfer-Encoding: gzip\r\n\r\nxx",
+        HEAD + b"Transfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+        HEAD + b"X\x01Y: 1\r\nContent-Length: 0\r\n\r\n",
+        HEAD + b"X-Y: a\x00b\r\nContent-Length: 0\r\n\r\n",
+        HEAD + b"X-Y : 1\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n",
+        b"\xff\xfe garbage\r\n\r\n",
+    ],
+)
+async def test_framing_violations_are_resets(
+    client_factory: Callable[[int], Client], response: bytes
+) -> None:
+    async with RawServer([response]) as srv:
+        c = client_factory(srv.port)
+        with pytest.raises(ConnectionResetError) as err:
+            await _get(c)
+        assert type(err.value) is ConnectionResetError
+        assert not c._idle
+
+
+async def test_header_values_are_latin1_and_never_crash(
+    client_factory: Callable[[int], Client],
+) -> None:
+    response = (
+        HEAD + b"X-Raw: caf\xe9 \xff\x80  \r\nX-Two: a\r\nx-two: b\r\nContent-Length: 0\r\n\r\n"
+    )
+    async with RawServer([response]) as srv:
+        c = client_factory(srv.port)
+        resp = await c.request(c.head("GET", "/", ""), b"")
+        assert resp.headers["X-RAW"] == "caf\xe9 \xff\x80"
+        assert resp.headers.get("x-two") == "a, b"
+        assert "x-raw" in resp.headers and resp.content_type == ""
+        assert await resp.read() == b""
+        resp.release()
+        assert len(c._idle) == 1
+
+
+async def test_interim_responses_are_skipped_but_bounded(
+    client_factory: Callable[[int], Client],
+) -> None:
+    ten = b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n" * 10 + OK
+    async with RawServer([ten]) as srv:
+        c = client_factory(srv.port)
+        assert await _get(c) == (200, b"{}")
+    flood = b"HTTP/1.1 100 Continue\r\n\r\n" * 11 + OK
+    async with RawServer([flood]) as srv:
+        c = client_factory(srv.port)
+        with pytest.raises(ConnectionResetError, match="interim"):
+            await _get(c)
+
+
+@pytest.mark.parametrize(
+    ("head", "ok"),
+    [
+        (HEAD + b"X-Big: " + b"a" * 60_000 + b"\r\n", True),
+        (HEAD + b"X-Big: " + b"a" * 70_000 + b"\r\n", False),
+        (HEAD + b"".join(b"X-%d: 1\r\n" % i for i in range(99)), True),
+        (HEAD + b"".join(b"X-%d: 1\r\n" % i for i in range(101)), False),
+        (b"HTTP/1.1 200 " + b"r" * 70_000 + b"\r\n", False),
+    ],
+)
+async def test_response_head_is_bounded(
+    client_factory: Callable[[int], Client], head: bytes, ok: bool
+) -> None:
+    async with RawServer([head + b"Content-Length: 2\r\n\r\n{}"]) as srv:
+        c = client_factory(srv.port)
+        if ok:
+            assert await _get(c) == (200, b"{}")
+        else:
+            with pytest.raises(ConnectionResetError, match="head"):
+                await _get(c)
+
+
+async def test_a_head_dripping_in_forever_is_bounded(
+    client_factory: Callable[[int], Client],
+) -> None:
+    async def script(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int
+    ) -> None:
+        await read_request(reader)
+        writer.write(HEAD + b"X-Endless: ")
+        for _ in range(1000):
+            writer.write(b"a" * 1000)
+            await writer.drain()
+            await asyncio.sleep(0)
+
+    async with ScriptServer(script) as srv:
+        c = client_factory(srv.port)
+        with pytest.raises(ConnectionResetError, match="head"):
+            await _get(c)
+
+
+# --- bounds on the body
+
+
+async def test_read_limit(client_factory: Callable[[int], Client]) -> None:
+    chunked = CHUNKED + b"".join(b"100\r\n" + b"c" * 256 + b"\r\n" for _ in range(8)) + b"0\r\n\r\n"
+    async with RawServer([answer(b"x" * 1000), chunked, answer(b"y" * 10)]) as srv:
+        c = client_factory(srv.port)
+        resp = await c.request(c.head("POST", "/", ""), b"1")
+        with pytest.raises(BodyTooLarge):  # over by its Content-Length, before reading it
+            await resp.read(999)
+        resp.release()
+        assert not c._idle
+        resp = await c.request(c.head("POST", "/", ""), b"2")
+        with pytest.raises(BodyTooLarge) as err:
+            await resp.read(2047)
+        assert isinstance(err.value, ConnectionResetError)
+        resp.release()
+        assert not c._idle
+        resp = await c.request(c.head("POST", "/", ""), b"3")
+        assert await resp.read(10) == b"y" * 10  # exactly at the limit
+        resp.release()
+        assert len(c._idle) == 1
+        assert srv.connections == 3
+
+
+async def test_an_absurd_chunk_size_does_not_allocate(
+    client_factory: Callable[[int], Client],
+) -> None:
+    async def script(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int
+    ) -> None:
+        await read_request(reader)
+        writer.write(CHUNKED + b"FFFFFFFFFFFFFFFF\r\n")
+        for _ in range(64):
+            writer.write(b"z" * 65536)
+            await writer.drain()
+
+    async with ScriptServer(script) as srv:
+        c = client_factory(srv.port)
+        tracemalloc.start()
+        try:
+            resp = await c.request(c.head("POST", "/", ""), b"")
+            with pytest.raises(BodyTooLarge):
+                await resp.read(1 << 20)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 8 << 20
+        # read piece by piece, the body ends in a reset when the server closes mid-chunk
+        resp = await c.request(c.head("POST", "/", ""), b"")
+        total = 0
+        with pytest.raises(ConnectionResetError, match="mid-body"):
+            while piece := await resp.readany():
+                total += len(piece)
+        assert total == 64 * 65536
+
+
+async def test_an_endless_body_is_flow_controlled(client_factory: Callable[[int], Client]) -> None:
+    written = 0
+
+    async def script(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int
+    ) -> None:
+        nonlocal written
+        await read_request(reader)
+        writer.write(CHUNKED)
+        piece = b"10000\r\n" + b"e" * 65536 + b"\r\n"
+        while True:
+            writer.write(piece)
+            written += 65536
+            await writer.drain()
+
+    async with ScriptServer(script) as srv:
+        c = client_factory(srv.port)
+        resp = await c.request(c.head("POST", "/", ""), b"")
+        conn = resp._conn
+        assert conn is not None
+        bound = http1._HIGH_WATER + 256 * 1024  # the mark plus at most one socket read
+        await asyncio.sleep(0.3)  # a consumer that does not read at all
+        stalled = written
+        await asyncio.sleep(0.2)
+        assert written == stalled  # the server is blocked: nothing grows anywhere
+        assert conn._paused and conn._buffered <= bound
+        read = 0
+        for _ in range(50):  # a slow consumer
+            assert conn._buffered <= bound
+            read += len(await resp.readany())
+            await asyncio.sleep(0.002)
+        assert read > 4 * http1._HIGH_WATER  # reading resumed each time it drained
+        resp.close()
+        assert not c._idle
+
+
+# --- the keep-alive race and cancellation
+
+
+async def test_a_stale_reused_connection_is_resent_on_a_fresh_one(
+    client_factory: Callable[[int], Client],
+) -> None:
+    """Each connection answers one request, then closes on the next without a byte (the
+    keep-alive race seen from the client). The resend must not pick another stale idle
+    connection: it connects anew."""
+
+    async def script(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int
+    ) -> None:
+        body = (await read_request(reader)).split(b"\r\n\r\n", 1)[1]
+        await asyncio.sleep(0.02)  # keeps both first requests in flight together
+        writer.write(answer(body))
+        await writer.drain()
+        await read_request(reader)  # ... and closes without answering
+
+    async with ScriptServer(script) as srv:
+        c = client_factory(srv.port)
+        assert await asyncio.gather(_post(c, b"a"), _post(c, b"b")) == [(200, b"a"), (200, b"b")]
+        assert len(c._idle) == 2 and srv.connections == 2
+        assert await _post(c, b"c") == (200, b"c")
+        assert srv.connections == 3  # one stale idle connection tried, then a fresh one
+        # a fresh connection closed before answering is a reset, not resent
+        async with ScriptServer(lambda r, w, i: read_request(r)) as mute:
+            m = client_factory(mute.port)
+            with pytest.raises(ConnectionResetError, match="before answering"):
+                await _post(m, b"x")
+            assert mute.connections == 1
+
+
+async def test_cancelling_a_body_read_cuts_the_connection(
+    client_factory: Callable[[int], Client],
+) -> None:
+    async def script(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int
+    ) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(CHUNKED + b"2\r\nhi\r\n")  # then nothing
+            await writer.drain()
+
+    async with ScriptServer(script) as srv:
+        c = client_factory(srv.port)
+        resp = await c.request(c.head("POST", "/", ""), b"")
+        assert await resp.readany() == b"hi"
+        task = asyncio.create_task(resp.readany())
+        await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert resp._conn is None or not resp._conn.usable()
+        resp.release()
+        assert not c._idle
+        with pytest.raises(ConnectionResetError):
+            await resp.readany()
+
+
+async def test_body_framed_by_close_and_reset_mid_body(
+    client_factory: Callable[[int], Client],
+) -> None:
+    async def script(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int
+    ) -> None:
+        await read_request(reader)
+        if index == 0:
+            writer.write(HEAD + b"\r\nuntil the end")
+        else:
+            writer.write(HEAD + b"Content-Length: 100\r\n\r\npartial")
+            await writer.drain()
+            writer.transport.abort()
+
+    async with ScriptServer(script) as srv:
+        c = client_factory(srv.port)
+        assert await _get(c) == (200, b"until the end")
+        assert not c._idle
+        resp = await c.request(c.head("POST", "/", ""), b"")
+        assert await resp.readany() == b"partial"
+        with pytest.raises(ConnectionResetError):
+            await resp.readany()

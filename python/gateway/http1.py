@@ -1,42 +1,90 @@
-"""A lean HTTP/1.1 client for upstreams: keep-alive connections over asyncio streams.
+"""A lean, strict HTTP/1.1 client for upstreams: keep-alive connections driven by llhttp.
 
 Why not aiohttp's client: on the proxy's hot path it cost about as much CPU as everything else
 the gateway does (ClientRequest/ClientResponse objects, payload registry, connector
-bookkeeping); measured on a bare pass-through proxy, this client halves the proxy's CPU per
-request (benches/README.md). It does only what an OpenAI-compatible upstream needs:
+bookkeeping); this client halves the proxy's CPU per request (benches/README.md). Why llhttp
+(httptools, the parser under uvicorn and Node.js): framing is where a proxy is attacked, and a
+hand-written parser is lenient in ways nobody notices until an upstream abuses them (`0x2` as a
+chunk size, bare LF line ends, Content-Length together with Transfer-Encoding). Each connection
+is an `asyncio.Protocol` feeding the parser; the parser's callbacks fill the response in place,
+so a request costs one future (for its head) and a body read costs none when bytes are already
+there.
 
-- one request at a time per connection, idle connections reused (LIFO, so the warmest one);
-- the request head prebuilt per upstream, written with the body in one write;
-- responses framed by `Content-Length`, `Transfer-Encoding: chunked`, or connection close;
-  chunked bodies are read chunk by chunk, so SSE events pass through as they arrive;
-- redirects are never followed (a 3xx is returned as it is);
-- a request whose reused connection turns out to have been closed by the server before any
-  response byte (the keep-alive race) is sent once more on a fresh connection — it never
-  reached the application, and it is not the instance's failure.
+What it does, and only that (an OpenAI-compatible upstream needs no more):
 
-Failures surface as `OSError` subclasses: `ConnectError` (no connection), `TimeoutError`
-(connect timeout), `ConnectionResetError` (cut, reset or truncated).
+- one request at a time per connection; the request head prebuilt per upstream (`head()`), sent
+  with its body in one write; redirects never followed (a 3xx is returned as it is);
+- idle connections reused LIFO (the warmest first), at most `_MAX_IDLE` of them;
+- SPEC §16: "An upstream that breaks HTTP framing (bytes past a message, unsolicited bytes on an
+  idle connection, an invalid status line) loses that connection, and never another request's
+  response." A connection goes back to the pool only when its response ended exactly at a
+  message boundary with nothing after it; a byte arriving on an idle connection, or after the
+  response ended, aborts it. (llhttp skips bare CR/LF between messages, as RFC 9112 §2.2 lets
+  a parser do: such blank lines are consumed, never buffered, never read as a response.)
+- strict parsing: llhttp's defaults (no leniency flags), plus a status in 100–599, HTTP/1.0 or
+  1.1 only, and no transfer coding but `chunked`. Any violation is a `ConnectionResetError`;
+- SPEC §16 bounds: a response head of at most 64 KiB and 100 header lines, at most 10 interim
+  (1xx) responses before the final one, a body read whole only up to `read(limit)`, and at
+  most ~256 KiB of unread body held per connection (reading from the socket pauses above it and
+  resumes when the consumer drains it; a declared size is never preallocated);
+- a request whose *reused* connection turns out closed by the server before any response byte
+  (the keep-alive race: it never reached the application) is sent once more, on a fresh
+  connection;
+- cancellation at any point aborts the connection (it is never pooled);
+- SPEC §6 TLS: `https` upstreams are verified against the system store or `ca_file`, with the
+  name `server_name` (also the SNI) when given; verification cannot be turned off;
+- SPEC §6 egress proxies: an explicit `proxy` URL, else `HTTPS_PROXY` / `HTTP_PROXY` from the
+  environment unless `NO_PROXY` matches the host, as curl and httpx read them. Both https and
+  http upstreams go through an HTTP CONNECT tunnel (TLS, if any, inside it); credentials in the
+  proxy URL become `Proxy-Authorization: Basic`. Pooled connections are tunnelled ones.
+
+Failures surface as `OSError` subclasses only: `ConnectError` (no connection: refused, DNS, TLS
+or proxy failure), `TimeoutError` (connect timeout), `ConnectionResetError` (cut, reset,
+truncated or broken framing) and its subclass `BodyTooLarge`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import ipaddress
+import os
 import ssl as ssl_module
 from collections import deque
-from urllib.parse import urlsplit
+from collections.abc import Awaitable, Callable, Mapping
+from urllib.parse import SplitResult, unquote, urlsplit
 
-__all__ = ["Client", "ConnectError", "Headers", "Response"]
+from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
 
-_MAX_HEAD = 64 * 1024
-_MAX_IDLE = 256
+__all__ = ["BodyTooLarge", "Client", "ConnectError", "Headers", "Response"]
+
+_MAX_HEAD = 64 * 1024  # SPEC §16: status line and header lines of one response
+_MAX_HEADERS = 100
+_MAX_INTERIM = 10  # 1xx responses before the final one
+_HIGH_WATER = 256 * 1024  # unread body bytes above which reading from the socket pauses
+_MAX_IDLE = 256  # idle keep-alive connections kept per upstream
+_MAX_PROXY_HEAD = 16 * 1024  # a proxy's answer to CONNECT
 
 
 class ConnectError(OSError):
-    """The upstream could not be reached (refused, unreachable, DNS)."""
+    """The upstream could not be reached (refused, unreachable, DNS, TLS, egress proxy)."""
+
+
+class BodyTooLarge(ConnectionResetError):
+    """The response body exceeds the limit given to `Response.read`; its connection is cut."""
+
+
+class _Stale(ConnectionResetError):
+    """A reused connection was closed by the server before any byte of the answer."""
+
+
+class _Violation(Exception):
+    """Raised inside a parser callback to stop parsing (the reason is kept on the connection)."""
 
 
 class Headers(dict[str, str]):
-    """Response headers with lower-case names; lookups are case-insensitive."""
+    """Response headers with lower-case names; lookups are case-insensitive. Repeated fields
+    are joined with `, `; values are decoded as latin-1 (any byte is accepted, none is lost)."""
 
     def get(self, key: str, default: str | None = None) -> str | None:  # type: ignore[override]
         return dict.get(self, key.lower(), default)
@@ -48,76 +96,329 @@ class Headers(dict[str, str]):
         return isinstance(key, str) and dict.__contains__(self, key.lower())
 
 
-class _Conn:
-    __slots__ = ("reader", "reused", "writer")
+class _Conn(asyncio.Protocol):
+    """One connection: the protocol, the llhttp parser's callback target and the state of the
+    response in flight. Body pieces are kept as the parser hands them over and joined only
+    when read, so the pieces that arrived together leave together."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-        self.reused = False
+    __slots__ = (
+        "_buffered",
+        "_chunks",
+        "_client",
+        "_complete",
+        "_dirty",
+        "_eof_framed",
+        "_error",
+        "_got_bytes",
+        "_head_bytes",
+        "_head_done",
+        "_head_fed",
+        "_head_only",
+        "_headers",
+        "_interim",
+        "_keep_alive",
+        "_loop",
+        "_lost",
+        "_nheaders",
+        "_parser",
+        "_paused",
+        "_response",
+        "_reused",
+        "_sink",
+        "_sink_error",
+        "_sink_stopped",
+        "_waiter",
+        "_why",
+        "active",
+        "transport",
+    )
 
-    def usable(self) -> bool:
-        return not self.reader.at_eof() and not self.writer.is_closing()
+    def __init__(self, client: Client, loop: asyncio.AbstractEventLoop) -> None:
+        self._client = client
+        self._loop = loop
+        self._parser = HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.active = False  # a request is in flight (or its response not yet released)
+        self._reused = False
+        self._lost = False
+        self._dirty = False  # broke framing: never pooled again
+        self._paused = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        # Relay mode (`Response.relay`): body bytes go to the sink from the protocol callback.
+        self._sink: Callable[[bytes], bool] | None = None
+        self._sink_error: BaseException | None = None
+        self._sink_stopped = False
+        self._begin(False)
+
+    def _begin(self, head_only: bool) -> None:
+        """Resets the per-response state before a request is sent."""
+        self._head_only = head_only
+        self._got_bytes = False
+        self._head_done = False
+        self._complete = False
+        self._keep_alive = False
+        self._eof_framed = False
+        self._head_bytes = 0
+        self._head_fed = 0
+        self._nheaders = 0
+        self._interim = 0
+        self._headers = Headers()
+        self._response: Response | None = None
+        self._error: ConnectionResetError | None = None
+        self._why = ""
+
+    # -- asyncio.Protocol --------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport instances: no isinstance check.
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self._complete or not self.active:
+            # SPEC §16: bytes nobody asked for (an idle connection, or past the response's
+            # end): the connection is lost, never read by the next request.
+            self.abort()
+            return
+        self._got_bytes = True
+        head_before = self._head_done
+        try:
+            self._parser.feed_data(data)
+        except HttpParserUpgrade:
+            self._broken("upstream switched protocols (HTTP 101)")
+        except HttpParserError as exc:
+            self._broken(self._why or f"{exc}")
+        else:
+            if not self._head_done:
+                # The callbacks count the head lines that ended; this counts every byte fed
+                # while the head is unfinished (httptools holds a line until it ends).
+                self._head_fed += len(data)
+                if self._head_fed > _MAX_HEAD:
+                    self._fail(f"upstream response head over {_MAX_HEAD} bytes")
+            elif self._buffered > _HIGH_WATER and not self._paused:
+                # Flow control: the consumer is slower than the upstream.
+                self.pause()
+        if self._sink is not None and self._chunks:
+            self._to_sink()
+        waiter = self._waiter
+        if waiter is not None and (
+            self._chunks
+            or self._sink_stopped
+            or self._complete
+            or self._error is not None
+            or (self._head_done and not head_before)
+        ):
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def eof_received(self) -> bool | None:
+        return None  # the transport closes; connection_lost settles the response
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        if self.active and not self._complete and self._error is None:
+            if self._head_done and self._eof_framed and exc is None:
+                self._complete = True  # a body framed by the connection's close
+            elif not self._got_bytes and self._reused:
+                self._error = _Stale("upstream closed the idle connection")
+            elif self._head_done:
+                self._error = ConnectionResetError("upstream closed the connection mid-body")
+            else:
+                self._error = ConnectionResetError(
+                    "upstream closed the connection before answering"
+                )
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    # -- llhttp callbacks --------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self._complete:
+            # SPEC §16: a second message after the response (bytes past Content-Length, a
+            # second response in the same write): the connection is lost.
+            self._why = "upstream sent bytes past the end of its response"
+            raise _Violation
+
+    def on_status(self, status: bytes) -> None:
+        self._head_bytes += len(status) + 15
+        if self._head_bytes > _MAX_HEAD:
+            self._why = f"upstream response head over {_MAX_HEAD} bytes"
+            raise _Violation
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._nheaders += 1
+        self._head_bytes += len(name) + len(value) + 4
+        if self._nheaders > _MAX_HEADERS or self._head_bytes > _MAX_HEAD:
+            self._why = f"upstream response head over {_MAX_HEADERS} lines or {_MAX_HEAD} bytes"
+            raise _Violation
+        # llhttp admits only token characters in a name and visible bytes in a value;
+        # latin-1 maps every byte, so nothing here can fail to decode.
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1").rstrip(" \t")
+        headers = self._headers
+        old = dict.get(headers, key)
+        headers[key] = text if old is None else f"{old}, {text}"
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        status = parser.get_status_code()
+        if status < 200:
+            if status < 100:
+                self._why = f"invalid status {status:03d} from upstream"
+                raise _Violation
+            # An interim answer (100 Continue, 103 Early Hints): the real one follows.
+            self._interim += 1
+            if self._interim > _MAX_INTERIM:
+                self._why = f"upstream sent more than {_MAX_INTERIM} interim (1xx) responses"
+                raise _Violation
+            self._headers = Headers()
+            self._nheaders = 0
+            return
+        if status > 599:
+            self._why = f"invalid status {status} from upstream"
+            raise _Violation
+        if parser.get_http_version() not in ("1.1", "1.0"):
+            self._why = "upstream answered with an HTTP version other than 1.x"
+            raise _Violation
+        headers = self._headers
+        te = dict.get(headers, "transfer-encoding")
+        if te is not None and te.lower() != "chunked":
+            # Other transfer codings would have to be decoded; no upstream of ours uses them.
+            self._why = "upstream used a transfer coding other than chunked"
+            raise _Violation
+        self._keep_alive = parser.should_keep_alive()
+        self._eof_framed = (
+            te is None and "content-length" not in headers and status != 204 and status != 304
+        )
+        self._head_done = True
+        self._response = Response(self, status, headers)
+        if self._head_only:
+            # A HEAD answer has no body whatever its headers say; llhttp cannot be told, so
+            # parsing stops here and the connection is not reused.
+            self._complete = True
+            self._keep_alive = False
+            raise _Violation
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._buffered += len(body)
+
+    def on_message_complete(self) -> None:
+        if self._head_done:
+            self._complete = True
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _to_sink(self) -> None:
+        """Relay mode: the pieces this read brought, in one piece, to the sink (which may say
+        stop, or raise: either ends the relay and loses the connection)."""
+        chunks = self._chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered = 0
+        sink = self._sink
+        assert sink is not None
+        try:
+            more = sink(data)
+        except Exception as exc:  # the sink's own failure (a malformed event, a bug)
+            self._sink_error = exc
+            more = False
+        if not more:
+            self._sink = None
+            self._sink_stopped = True
+            self.abort()
+
+    def _broken(self, why: str) -> None:
+        """The parser stopped. After a complete response the response stands but the
+        connection goes; before, the response fails."""
+        if self._complete:
+            self.abort()
+        else:
+            self._fail(why)
+
+    def _fail(self, why: str) -> None:
+        if self._error is None:
+            # SPEC §16: "An upstream that breaks HTTP framing loses that connection".
+            self._error = ConnectionResetError(f"upstream broke HTTP framing: {why}")
+        self.abort()
 
     def abort(self) -> None:
-        transport = self.writer.transport
-        if not transport.is_closing():
+        self._dirty = True
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
             transport.abort()
 
+    def usable(self) -> bool:
+        transport = self.transport
+        return not (self._lost or self._dirty or transport is None or transport.is_closing())
 
-def _complete_chunk_buffered(reader: asyncio.StreamReader) -> bool:
-    """Whether a whole non-final chunk is already in the reader's buffer (peeks at
-    `StreamReader._buffer`, the one private detail this module relies on; without it every
-    chunk would cost a loop iteration and a write of its own)."""
-    buf: bytearray = getattr(reader, "_buffer", bytearray())
-    end = buf.find(b"\r\n")
-    if end <= 0:
-        return False
-    try:
-        size = int(bytes(buf[:end]).split(b";", 1)[0].strip(), 16)
-    except ValueError:
-        return True  # let _chunk raise on it
-    return size > 0 and len(buf) >= end + 2 + size + 2
+    async def wait(self) -> None:
+        """Waits for the parser to make progress; a cancellation cuts the connection."""
+        waiter = self._loop.create_future()
+        self._waiter = waiter
+        try:
+            await waiter
+        except BaseException:
+            self._waiter = None
+            self.abort()
+            raise
+
+    def pause(self) -> None:
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            self._paused = True
+            transport.pause_reading()
+
+    def resume(self) -> None:
+        self._paused = False
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.resume_reading()
+
+    async def exchange(self, payload: bytes, head_only: bool) -> Response:
+        """Sends one request; returns once the final response head arrived."""
+        self._begin(head_only)
+        self.active = True
+        transport = self.transport
+        assert transport is not None
+        try:
+            transport.write(payload)
+        except Exception:  # a transport that closed under us (uvloop raises, asyncio drops)
+            self.abort()
+            if self._reused:
+                raise _Stale("upstream closed the idle connection") from None
+            raise ConnectionResetError("upstream connection closed") from None
+        while self._response is None and self._error is None:
+            if self._lost:  # closed before it was ours (asyncio drops such writes)
+                self._error = _Stale("upstream connection closed") if self._reused else None
+                break
+            await self.wait()
+        response = self._response
+        if response is None:
+            self.abort()
+            error = self._error
+            raise error if error is not None else ConnectionResetError("no response")
+        self._response = None  # handed over (and no reference cycle left behind)
+        return response
 
 
 class Response:
     """A response whose body is read on demand (`read`, or `readany` piece by piece)."""
 
-    __slots__ = (
-        "_chunked",
-        "_client",
-        "_conn",
-        "_eof",
-        "_keep_alive",
-        "_remaining",
-        "content_type",
-        "headers",
-        "status",
-    )
+    __slots__ = ("_conn", "_done", "content_type", "headers", "status")
 
-    def __init__(
-        self, client: Client, conn: _Conn, status: int, headers: Headers, head_only: bool
-    ) -> None:
-        self._client = client
+    def __init__(self, conn: _Conn, status: int, headers: Headers) -> None:
         self._conn: _Conn | None = conn
+        self._done = False
         self.status = status
         self.headers = headers
-        ctype = headers.get("content-type") or ""
-        self.content_type = ctype.split(";", 1)[0].strip().lower()
-        self._keep_alive = (headers.get("connection") or "").lower() != "close"
-        self._chunked = "chunked" in (headers.get("transfer-encoding") or "").lower()
-        length = headers.get("content-length")
-        self._remaining = -1  # unknown: until the connection closes
-        if head_only or status in (204, 304) or 100 <= status < 200:
-            self._remaining = 0
-        elif not self._chunked and length is not None:
-            try:
-                self._remaining = int(length)
-            except ValueError:
-                raise ConnectionResetError("invalid Content-Length from upstream") from None
-        if self._remaining == -1 and not self._chunked:
-            self._keep_alive = False
-        self._eof = self._remaining == 0 and not self._chunked
+        ctype = dict.get(headers, "content-type")
+        self.content_type = ctype.split(";", 1)[0].strip().lower() if ctype else ""
 
     @property
     def content(self) -> Response:
@@ -125,120 +426,369 @@ class Response:
         return self
 
     def is_eof(self) -> bool:
-        return self._eof
+        """Whether the whole body has been received and read."""
+        conn = self._conn
+        if conn is None:
+            return self._done
+        return conn._complete and not conn._chunks
 
     async def readany(self) -> bytes:
-        """The next piece of the body; `b""` at its end."""
-        if self._eof:
-            return b""
+        """Every body byte received so far and not yet read, in one piece (waiting for the
+        next one if there is none); `b""` at the body's end."""
         conn = self._conn
-        assert conn is not None, "body read after the response was closed"
-        reader = conn.reader
-        try:
-            if self._chunked:
-                data = await self._chunk(reader)
-                if not data:
-                    return b""
-                # Chunks that already arrived go out together (one write downstream), as a
-                # raw relay would send them; a chunk still in flight is not waited for.
-                more = [data]
-                while _complete_chunk_buffered(reader):
-                    nxt = await self._chunk(reader)  # returns without suspending
-                    if not nxt:
-                        break
-                    more.append(nxt)
-                return more[0] if len(more) == 1 else b"".join(more)
-            if self._remaining > 0:
-                data = await reader.read(min(self._remaining, 65536))
-                if not data:
-                    raise ConnectionResetError("upstream closed the connection mid-body")
-                self._remaining -= len(data)
-                self._eof = self._remaining == 0
+        if conn is None:
+            if self._done:
+                return b""
+            raise ConnectionResetError("the upstream response was closed")
+        while True:
+            chunks = conn._chunks
+            if chunks:
+                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()
+                conn._buffered = 0
+                if conn._paused:
+                    conn.resume()
                 return data
-            data = await reader.read(65536)  # framed by connection close
-            if not data:
-                self._eof = True
-            return data
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
-            self.close()  # the framing is lost: the connection is of no further use
-            raise ConnectionResetError(f"upstream body cut ({type(exc).__name__})") from None
-        except ConnectionResetError:
-            self.close()
-            raise
+            if conn._complete:
+                return b""
+            error = conn._error
+            if error is not None:
+                self.close()
+                raise error
+            await conn.wait()
 
-    async def _chunk(self, reader: asyncio.StreamReader) -> bytes:
-        line = await reader.readuntil(b"\r\n")
-        size = int(line.split(b";", 1)[0].strip(), 16)
-        if size == 0:
-            while await reader.readuntil(b"\r\n") != b"\r\n":
-                pass  # trailers
-            self._eof = True
-            return b""
-        data = await reader.readexactly(size + 2)
-        if data[-2:] != b"\r\n":
-            raise ConnectionResetError("malformed chunk from upstream")
-        return data[:-2]
+    async def relay(
+        self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]]
+    ) -> bool:
+        """Hands the rest of the body to `sink` as it arrives, straight from the protocol
+        callback: no task switch and no future per piece (a token stream's hot path). `sink`
+        returns False to stop (the connection is then lost: the upstream stops working) and
+        may call `pause_reading` when its own output backs up; `drain` is then awaited before
+        reading resumes. Returns True when the body ended, False when the sink stopped;
+        raises what the connection or the sink raised."""
+        conn = self._conn
+        if conn is None:
+            raise ConnectionResetError("the upstream response was closed")
+        if conn._chunks:
+            conn._sink = sink
+            conn._to_sink()
+        else:
+            conn._sink = sink
+        try:
+            while True:
+                if conn._sink_stopped:
+                    error = conn._sink_error
+                    if error is not None:
+                        raise error
+                    return False
+                if conn._complete:
+                    return True
+                if conn._error is not None:
+                    error = conn._error
+                    self.close()
+                    raise error
+                if conn._paused:
+                    await drain()
+                    conn.resume()
+                    continue
+                await conn.wait()
+        finally:
+            conn._sink = None
+            conn._sink_error = None
+            conn._sink_stopped = False
 
-    async def read(self) -> bytes:
-        """The whole body."""
-        parts = []
+    def pause_reading(self) -> None:
+        """Stops reading from the upstream until `relay`'s drain returns (flow control)."""
+        conn = self._conn
+        if conn is not None and not conn._paused:
+            conn.pause()
+            waiter = conn._waiter
+            if waiter is not None:
+                conn._waiter = None
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body. Over `limit` bytes: `BodyTooLarge`, and the connection is cut."""
+        if limit is not None:
+            declared = dict.get(self.headers, "content-length")
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                self.close()
+                raise BodyTooLarge(f"upstream response body over {limit} bytes")
+        parts: list[bytes] = []
+        total = 0
         while piece := await self.readany():
+            total += len(piece)
+            if limit is not None and total > limit:
+                self.close()
+                raise BodyTooLarge(f"upstream response body over {limit} bytes")
             parts.append(piece)
-        return b"".join(parts)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def release(self) -> None:
-        """Done with the response: a fully read keep-alive connection goes back to the pool."""
-        conn, self._conn = self._conn, None
+        """Done with the response: a connection whose response ended cleanly at a message
+        boundary goes back to the pool; any other is cut."""
+        conn = self._conn
         if conn is None:
             return
-        if self._eof and self._keep_alive and conn.usable():
-            self._client._put(conn)
+        self._conn = None
+        self._done = conn._complete and not conn._chunks
+        if conn._complete and conn._keep_alive and conn.usable():
+            conn._chunks.clear()
+            conn._buffered = 0
+            conn.active = False
+            if conn._paused:
+                conn.resume()
+            conn._client._put(conn)
         else:
             conn.abort()
 
     def close(self) -> None:
         """Abandons the response: the connection is cut (the upstream stops working on it)."""
-        conn, self._conn = self._conn, None
+        conn = self._conn
         if conn is not None:
+            self._conn = None
+            self._done = conn._complete and not conn._chunks
             conn.abort()
 
 
-class Client:
-    """Keep-alive connections to one upstream origin."""
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
-    def __init__(self, base_url: str, connect_timeout: float) -> None:
+
+def _env(environ: Mapping[str, str], name: str) -> str:
+    """`name` from the environment, the lower-case spelling first (as urllib and curl)."""
+    return (environ.get(name.lower()) or environ.get(name.upper()) or "").strip()
+
+
+def no_proxy_matches(host: str, port: int, no_proxy: str) -> bool:
+    """Whether `NO_PROXY` exempts host:port, as curl and httpx read it: a comma list where `*`
+    matches everything, a domain matches itself and its subdomains (a leading dot or `*.`
+    allowed), an entry may carry `:port`, and IP addresses match literally (or by CIDR)."""
+    host = host.lower().strip("[]").rstrip(".")
+    try:
+        ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    for raw in no_proxy.split(","):
+        entry = raw.strip().lower()
+        if not entry:
+            continue
+        if entry == "*":
+            return True
+        entry_port: int | None = None
+        if entry.startswith("["):  # [v6]:port
+            addr, _, rest = entry[1:].partition("]")
+            entry = addr
+            if rest.startswith(":") and rest[1:].isdigit():
+                entry_port = int(rest[1:])
+        elif entry.count(":") == 1:
+            name, _, num = entry.partition(":")
+            if num.isdigit():
+                entry, entry_port = name, int(num)
+        if entry_port is not None and entry_port != port:
+            continue
+        if ip is not None:
+            try:
+                if ip in ipaddress.ip_network(entry, strict=False):
+                    return True
+            except ValueError:
+                pass
+            continue
+        entry = entry.lstrip("*").lstrip(".").rstrip(".")
+        if entry and (host == entry or host.endswith("." + entry)):
+            return True
+    return False
+
+
+class _ProxyHandshake(asyncio.Protocol):
+    """Reads a proxy's answer to CONNECT (a bounded head) before the tunnel is handed over."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.buffer = bytearray()
+        self.done: asyncio.Future[int] = loop.create_future()
+
+    def data_received(self, data: bytes) -> None:
+        if self.done.done():
+            self.buffer += data
+            return
+        self.buffer += data
+        end = self.buffer.find(b"\r\n\r\n")
+        if end >= 0:
+            self.done.set_result(end + 4)
+        elif len(self.buffer) > _MAX_PROXY_HEAD:
+            self.done.set_exception(ConnectError(0, "egress proxy answer head too large"))
+
+    def eof_received(self) -> bool | None:
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_exception(
+                ConnectError(0, "egress proxy closed the connection during CONNECT")
+            )
+
+
+class _Proxy:
+    __slots__ = ("host", "port", "request")
+
+    def __init__(self, host: str, port: int, request: bytes) -> None:
+        self.host = host
+        self.port = port
+        self.request = request  # the CONNECT request, credentials included
+
+
+class Client:
+    """Keep-alive connections to one upstream origin, directly or through an egress proxy.
+
+    `ca_file` / `server_name` are SPEC §6's `tls:` (for `https` only); `proxy` an explicit
+    egress proxy URL, which wins over the environment (read here, once, when `trust_env`)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        connect_timeout: float,
+        *,
+        ca_file: str | None = None,
+        server_name: str | None = None,
+        proxy: str | None = None,
+        trust_env: bool = True,
+    ) -> None:
         parts = urlsplit(base_url)
         self.secure = parts.scheme == "https"
         self.host = parts.hostname or ""
         self.port = parts.port or (443 if self.secure else 80)
         default_port = self.port == (443 if self.secure else 80)
-        self.host_header = self.host if default_port else f"{self.host}:{self.port}"
+        host = _bracket(self.host)
+        self.host_header = host if default_port else f"{host}:{self.port}"
         self.connect_timeout = connect_timeout
-        self._ssl = ssl_module.create_default_context() if self.secure else None
+        self._ssl: ssl_module.SSLContext | None = None
+        self._sni: str | None = None
+        if self.secure:
+            # SPEC §6: verification always (CERT_REQUIRED, host name checked); `ca_file`
+            # replaces the system store. One context per client: built once, shared by every
+            # connection (and its session cache).
+            ctx = ssl_module.create_default_context(cafile=ca_file)
+            ctx.set_alpn_protocols(["http/1.1"])
+            self._ssl = ctx
+            self._sni = server_name or self.host
+        self._proxy: _Proxy | None = None
+        self._proxy_error: str | None = None
+        self._resolve_proxy(proxy, os.environ if trust_env else {})
         self._idle: deque[_Conn] = deque()
         self.closed = False
 
+    @property
+    def proxied(self) -> bool:
+        """Whether connections go through an egress proxy."""
+        return self._proxy is not None or self._proxy_error is not None
+
+    def _resolve_proxy(self, explicit: str | None, environ: Mapping[str, str]) -> None:
+        """SPEC §6: the instance's `proxy:` if set; else `HTTPS_PROXY` (https upstreams) or
+        `HTTP_PROXY` (http upstreams) unless `NO_PROXY` exempts the host."""
+        url = explicit
+        source = "the instance's proxy"
+        if url is None:
+            source = "HTTPS_PROXY" if self.secure else "HTTP_PROXY"
+            url = _env(environ, source)
+            if not url or no_proxy_matches(self.host, self.port, _env(environ, "NO_PROXY")):
+                return
+        if "://" not in url:
+            url = "http://" + url  # curl's reading of a bare host:port
+        # Reasons never quote the URL: it may carry credentials.
+        try:
+            parts: SplitResult = urlsplit(url)
+            port = parts.port or 80
+        except ValueError:
+            self._proxy_error = f"{source} is not a valid URL"
+            return
+        if parts.scheme.lower() != "http" or not parts.hostname:
+            self._proxy_error = f"{source} must be an http:// URL (HTTP CONNECT)"
+            return
+        target = f"{_bracket(self.host)}:{self.port}"
+        lines = [f"CONNECT {target} HTTP/1.1", f"Host: {target}"]
+        if parts.username is not None:
+            secret = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+            token = base64.b64encode(secret.encode("utf-8")).decode("ascii")
+            lines.append(f"Proxy-Authorization: Basic {token}")
+        request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace")
+        self._proxy = _Proxy(parts.hostname, port, request)
+
     async def _connect(self) -> _Conn:
+        if self._proxy_error is not None:
+            raise ConnectError(0, self._proxy_error)
+        loop = asyncio.get_running_loop()
+        conn = _Conn(self, loop)
         try:
             async with asyncio.timeout(self.connect_timeout):
-                reader, writer = await asyncio.open_connection(
-                    self.host,
-                    self.port,
-                    ssl=self._ssl,
-                    server_hostname=self.host if self._ssl else None,
-                    limit=_MAX_HEAD,
-                )
-        except TimeoutError:
+                if self._proxy is not None:
+                    await self._tunnel(loop, conn, self._proxy)
+                else:
+                    await loop.create_connection(
+                        lambda: conn, self.host, self.port, ssl=self._ssl, server_hostname=self._sni
+                    )
+        except (TimeoutError, ConnectError):
+            conn.abort()
             raise
+        except ssl_module.SSLCertVerificationError as exc:
+            conn.abort()
+            why = exc.verify_message or exc.reason or "verification failed"
+            raise ConnectError(exc.errno, f"upstream TLS certificate rejected: {why}") from None
+        except ssl_module.SSLError as exc:
+            conn.abort()
+            raise ConnectError(exc.errno, f"TLS handshake failed: {exc.reason or exc}") from None
         except OSError as exc:
-            raise ConnectError(exc.errno, exc.strerror or str(exc)) from None
-        return _Conn(reader, writer)
+            conn.abort()
+            raise ConnectError(exc.errno, exc.strerror or str(exc) or type(exc).__name__) from None
+        except (ValueError, UnicodeError) as exc:  # a host name that cannot be encoded
+            conn.abort()
+            raise ConnectError(0, f"cannot connect to upstream ({type(exc).__name__})") from None
+        return conn
+
+    async def _tunnel(self, loop: asyncio.AbstractEventLoop, conn: _Conn, proxy: _Proxy) -> None:
+        """SPEC §6: an HTTP CONNECT tunnel through the egress proxy, TLS inside it if https."""
+        handshake = _ProxyHandshake(loop)
+        try:
+            transport, _ = await loop.create_connection(lambda: handshake, proxy.host, proxy.port)
+        except OSError as exc:
+            why = exc.strerror or type(exc).__name__
+            raise ConnectError(exc.errno, f"cannot reach the egress proxy ({why})") from None
+        try:
+            transport.write(proxy.request)
+            end = await handshake.done
+            head = bytes(handshake.buffer[:end])
+            line = head.split(b"\r\n", 1)[0].split(b" ", 2)
+            if (
+                len(line) < 2
+                or line[0] not in (b"HTTP/1.1", b"HTTP/1.0")
+                or len(line[1]) != 3
+                or not line[1].isdigit()
+            ):
+                raise ConnectError(0, "egress proxy sent a malformed answer to CONNECT")
+            status = int(line[1])
+            if not 200 <= status < 300:
+                hint = " (proxy authentication required)" if status == 407 else ""
+                raise ConnectError(0, f"egress proxy refused the tunnel: HTTP {status}{hint}")
+            if len(handshake.buffer) > end:
+                raise ConnectError(0, "egress proxy sent bytes before the tunnel was used")
+            if self._ssl is not None:
+                tls = await loop.start_tls(transport, conn, self._ssl, server_hostname=self._sni)
+                if tls is None:
+                    raise ConnectError(0, "egress proxy tunnel closed during the TLS handshake")
+                conn.connection_made(tls)  # start_tls does not call it
+            else:
+                transport.set_protocol(conn)
+                conn.connection_made(transport)
+        except BaseException:
+            transport.abort()
+            raise
 
     def _get(self) -> _Conn | None:
-        while self._idle:
-            conn = self._idle.pop()
+        idle = self._idle
+        while idle:
+            conn = idle.pop()
             if conn.usable():
-                conn.reused = True
+                conn._reused = True
                 return conn
             conn.abort()
         return None
@@ -256,60 +806,23 @@ class Client:
         )
 
     async def request(self, head: bytes, body: bytes, head_only: bool = False) -> Response:
-        """Sends `head` (from `head()`) with `body`; returns once the response head arrived.
-        Cancellation at any point cuts the connection."""
-        payload = head + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-        for _ in range(2):
-            conn = self._get()
-            fresh = conn is None
-            if conn is None:
-                conn = await self._connect()
+        """Sends `head` (from `head()`) with `body`; returns once the final response head
+        arrived. Cancellation at any point cuts the connection."""
+        payload = b"".join((head, b"Content-Length: ", b"%d" % len(body), b"\r\n\r\n", body))
+        conn = self._get()
+        if conn is not None:
             try:
-                conn.writer.write(payload)
-                raw = await conn.reader.readuntil(b"\r\n\r\n")
-                while raw[9:10] == b"1":  # 1xx informational: the real answer follows
-                    raw = await conn.reader.readuntil(b"\r\n\r\n")
-            except asyncio.IncompleteReadError as exc:
-                conn.abort()
-                if not fresh and not exc.partial:
-                    continue  # the server had closed the idle connection: once more, fresh
-                raise ConnectionResetError("upstream closed the connection") from None
-            except asyncio.LimitOverrunError:
-                conn.abort()
-                raise ConnectionResetError("upstream response head too large") from None
-            except BaseException:
-                conn.abort()
-                raise
-            return self._parse_head(conn, raw, head_only)
-        raise ConnectionResetError("upstream closed the connection")  # pragma: no cover
+                return await conn.exchange(payload, head_only)
+            except _Stale:
+                pass  # the keep-alive race: the server had closed it; once more, on a fresh one
+        conn = await self._connect()
+        return await conn.exchange(payload, head_only)
 
-    def _parse_head(self, conn: _Conn, raw: bytes, head_only: bool) -> Response:
-        lines = raw.decode("latin-1").split("\r\n")
-        parts = lines[0].split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
-            conn.abort()
-            raise ConnectionResetError("malformed response from upstream")
-        headers = Headers()
-        for line in lines[1:]:
-            if not line:
-                continue
-            name, sep, value = line.partition(":")
-            if not sep:
-                continue
-            key = name.strip().lower()
-            value = value.strip()
-            old = dict.get(headers, key)
-            headers[key] = value if old is None else f"{old}, {value}"
-        try:
-            response = Response(self, conn, int(parts[1]), headers, head_only)
-        except ConnectionResetError:
-            conn.abort()
-            raise
-        if parts[0] == "HTTP/1.0" and (headers.get("connection") or "").lower() != "keep-alive":
-            response._keep_alive = False
-        return response
-
-    async def close(self) -> None:
+    def close_idle(self) -> None:
+        """Closes the idle connections and stops pooling (in-flight ones close when done)."""
         self.closed = True
         while self._idle:
             self._idle.pop().abort()
+
+    async def close(self) -> None:
+        self.close_idle()

@@ -8,30 +8,14 @@ upstream redirects are not followed."
 from __future__ import annotations
 
 import asyncio
-import email.utils
-import time
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
-
-import msgspec
-import orjson
 
 from gateway import __version__
 from gateway.config import InstanceSpec, Timeouts
 from gateway.http1 import Client, ConnectError, Response
 
-__all__ = [
-    "AttemptError",
-    "Upstream",
-    "inspect_body",
-    "normalize_error",
-    "parse_retry_after_ms",
-    "upstream_error_of",
-]
-
-#: Body fields that could steer a request elsewhere; never forwarded.
-URL_FIELDS = ("api_base", "base_url", "api_key", "organization", "extra_headers")
+__all__ = ["AttemptError", "Upstream"]
 
 
 @dataclass(slots=True)
@@ -51,127 +35,17 @@ class AttemptError(Exception):
         return self.reason
 
 
-def parse_retry_after_ms(headers: Any) -> int:
-    """`retry-after-ms`, or `Retry-After` as seconds or an HTTP date; 0 when absent/invalid."""
-    raw = headers.get("retry-after-ms")
-    if raw:
-        try:
-            return max(0, int(float(raw)))
-        except ValueError:
-            pass
-    raw = headers.get("Retry-After")
-    if not raw:
-        return 0
-    raw = raw.strip()
-    if raw.isdigit():
-        return int(raw) * 1000
-    try:
-        when = email.utils.parsedate_to_datetime(raw)
-    except (TypeError, ValueError):
-        return 0
-    return max(0, int((when.timestamp() - time.time()) * 1000))
-
-
-class _Usage(msgspec.Struct):
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    total_tokens: int | None = None
-
-
-class _Outline(msgspec.Struct):
-    """The few fields of a response body the gateway reads; the rest is skipped unparsed."""
-
-    usage: _Usage | None = None
-    error_code: int | str | None = None
-    error_msg: str | None = None
-    error: Any = None
-    # Present or not is all that matters: kept raw, never turned into Python objects.
-    choices: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
-    data: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
-
-
-_outline = msgspec.json.Decoder(_Outline)
-
-
-def inspect_body(body: bytes) -> tuple[str | None, dict[str, Any] | None]:
-    """One parse of a complete upstream JSON body: the error it reports inside an HTTP 200,
-    if any, and its `usage`.
-
-    SPEC §6: "An upstream answering HTTP 200 with an error body (Qianfan v1 reports rate limits
-    as 200 with `{"error_code": 336501}`) is treated as that error, not as success."
-    """
-    try:
-        out = _outline.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None, None
-    usage = msgspec.structs.asdict(out.usage) if out.usage is not None else None
-    if out.error_code:
-        return f"error_code {out.error_code}: {out.error_msg or ''}"[:300], usage
-    err = out.error
-    if err and out.choices is msgspec.UNSET and out.data is msgspec.UNSET:
-        msg = err.get("message", "") if isinstance(err, dict) else str(err)
-        return f"upstream error: {msg}"[:300], usage
-    return None, usage
-
-
-def upstream_error_of(body: bytes) -> str | None:
-    """The error an upstream reported inside an HTTP 200, if any; `None` for a real success."""
-    if b'"error' not in body:
-        return None
-    return inspect_body(body)[0]
-
-
 # SPEC §6 probes: the default path per provider when `health.probe.path` is left at its
 # default, written from the server root like the spec's `/v1/models`.
 DEFAULT_PROBE_PATH = "/v1/models"
+#: A probe reads at most this much of its answer (SPEC §16: nothing grows without limit).
+PROBE_MAX_BYTES = 1 << 20
 PROVIDER_PROBE_PATHS = {
     "openai": "/v1/models",
     "vllm": "/v1/models",
     "dashscope": "/compatible-mode/v1/models",
     "qianfan": "/v2/models",
 }
-
-
-def normalize_error(body: bytes, status: int) -> bytes:
-    """An upstream's error body in OpenAI's shape `{"error": {message, type, param, code}}`.
-
-    Providers differ: vLLM answers `{"object": "error", "message", "type", "code": 400}` (an
-    integer code), Qianfan v1 `{"error_code": 336003, "error_msg": ...}`, DashScope's native
-    API `{"code": "InvalidParameter", "message": ...}`. Clients of this gateway see one shape.
-    """
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        data = None
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    message: Any = None
-    code: Any = None
-    etype: Any = kind
-    param: Any = None
-    if isinstance(data, dict):
-        err = data.get("error")
-        if isinstance(err, dict):
-            message, etype = err.get("message"), err.get("type") or kind
-            param, code = err.get("param"), err.get("code")
-        elif "error_code" in data:
-            message, code = data.get("error_msg"), data.get("error_code")
-        elif "message" in data:
-            message, code = data.get("message"), data.get("code")
-            etype = data.get("type") or kind
-        elif isinstance(err, str):
-            message = err
-    if not isinstance(message, str) or not message:
-        message = f"upstream answered HTTP {status}"
-    return orjson.dumps(
-        {
-            "error": {
-                "message": message,
-                "type": etype if isinstance(etype, str) else kind,
-                "param": param if isinstance(param, str) else None,
-                "code": None if code is None else str(code),
-            }
-        }
-    )
 
 
 class Upstream:
@@ -182,13 +56,31 @@ class Upstream:
         self.provider = spec.provider
         self.base_url = spec.url.rstrip("/")
         self._base_path = urlsplit(self.base_url).path.rstrip("/")
-        self._client = Client(self.base_url, timeouts.connect_ms / 1000)
+        self._client = self._new_client(spec, timeouts)
+        self.spec = spec
         self.update(spec, timeouts)
+
+    def _new_client(self, spec: InstanceSpec, timeouts: Timeouts) -> Client:
+        """SPEC §6: the instance's TLS verification and egress proxy (the environment's
+        `HTTPS_PROXY` / `HTTP_PROXY` / `NO_PROXY` are read now, when no `proxy:` is set)."""
+        tls = spec.tls
+        return Client(
+            self.base_url,
+            timeouts.connect_ms / 1000,
+            ca_file=tls.ca_file if tls is not None else None,
+            server_name=tls.server_name if tls is not None else None,
+            proxy=spec.proxy,
+        )
 
     def update(self, spec: InstanceSpec, timeouts: Timeouts) -> None:
         """Applies a reloaded spec of the same endpoint (model, key, headers, timeouts); the
-        keep-alive connections stay."""
+        keep-alive connections stay, unless the TLS or proxy settings changed: then a new
+        client connects anew and the old one's idle connections close (its in-flight ones
+        close when their responses are done)."""
         assert spec.url.rstrip("/") == self.base_url, "a new URL is a new instance"
+        if spec.tls != self.spec.tls or spec.proxy != self.spec.proxy:
+            old, self._client = self._client, self._new_client(spec, timeouts)
+            old.close_idle()
         self.spec = spec
         self.name = spec.name
         self.model = spec.model
@@ -213,23 +105,22 @@ class Upstream:
             self._heads[(method, path)] = head
         return head
 
-    def body_for(self, request: dict[str, Any]) -> bytes:
-        """The upstream body: the client's JSON with `model` set to this instance's model and
-        URL-like fields removed."""
-        out = {k: v for k, v in request.items() if k not in URL_FIELDS}
-        out["model"] = self.model
-        return orjson.dumps(out)
-
-    async def open(self, path: str, body: bytes) -> Response:
+    async def open(self, path: str, body: bytes, extra_headers: bytes = b"") -> Response:
         """Sends the request (`path` below the base URL); returns once the response head
         arrived. Raises `AttemptError` on connect errors and resets (the caller bounds the
         time; a cancellation cuts the connection)."""
+        # `extra_headers`: whole `Name: value\r\n` lines (the W3C trace context) after the
+        # prebuilt head, which ends before Content-Length.
+        head = self._head("POST", self._base_path + path)
+        if extra_headers:
+            head += extra_headers
         try:
-            return await self._client.request(self._head("POST", self._base_path + path), body)
+            return await self._client.request(head, body)
         except TimeoutError:
             raise AttemptError("connecting to the upstream timed out", timeout=True) from None
         except ConnectError as exc:
-            raise AttemptError(f"cannot connect to upstream ({exc.strerror})") from None
+            why = exc.strerror or type(exc).__name__
+            raise AttemptError(f"cannot connect to upstream ({why})") from None
         except OSError as exc:
             raise AttemptError(f"upstream connection failed ({exc})") from None
 
@@ -241,19 +132,40 @@ class Upstream:
 
     async def probe(self, path: str, timeout_s: float) -> bool:
         """A zero-token health probe: `GET path` (from the server root) answered 2xx within the
-        timeout."""
+        timeout, its body read up to `PROBE_MAX_BYTES`.
+
+        Never raises (but for its own cancellation): whatever goes wrong, a probe that cannot
+        tell the instance is healthy is a failed one. Its connection returns to the pool only
+        when its answer ended cleanly (the client's rule), so a probe can never leave bytes
+        behind for a real request."""
         if path == DEFAULT_PROBE_PATH:
             path = PROVIDER_PROBE_PATHS.get(self.provider, path)
         try:
             async with asyncio.timeout(timeout_s):
                 resp = await self._client.request(self._head("GET", path), b"")
                 try:
-                    await resp.read()
+                    await resp.read(PROBE_MAX_BYTES)
+                finally:
+                    resp.release()  # cuts the connection unless the body ended cleanly
+                return 200 <= resp.status < 300
+        except Exception:  # any failure is a failed probe; nothing is logged
+            return False
+
+    async def fetch(self, path: str, max_bytes: int, timeout_s: float) -> bytes | None:
+        """`GET path` (from the server root) off the request path, e.g. vLLM's `/metrics`
+        (gateway.backend_load): the body of a 2xx answer of at most `max_bytes`, else `None`.
+        Never raises (but for its own cancellation); the connection is reused only when the
+        answer ended cleanly, as for a probe."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                resp = await self._client.request(self._head("GET", path), b"")
+                try:
+                    body = await resp.read(max_bytes)
                 finally:
                     resp.release()
-                return 200 <= resp.status < 300
-        except (TimeoutError, OSError):
-            return False
+                return body if 200 <= resp.status < 300 else None
+        except Exception:  # unreachable, too large, cut: no reading this time
+            return None
 
     @property
     def closed(self) -> bool:
