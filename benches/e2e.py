@@ -128,6 +128,11 @@ def main() -> int:
     ap.add_argument(
         "--ttfc", action="store_true", help="also time to first stream chunk, one at a time"
     )
+    ap.add_argument(
+        "--tls",
+        action="store_true",
+        help="the upstream speaks HTTPS (a throwaway CA): proxies verify it, wrk talks TLS too",
+    )
     args = ap.parse_args()
     for tool in ("wrk", "taskset"):
         if not shutil.which(tool):
@@ -137,24 +142,38 @@ def main() -> int:
     mock_port, bare_port, gw_port = free_port(), free_port(), free_port()
     tmp = Path(tempfile.mkdtemp())
     cfg = tmp / "gateway.yaml"
+    scheme, tls_line, mock_tls, bare_env = "http", "", [], dict(os.environ)
+    if args.tls:
+        import trustme
+
+        ca = trustme.CA()
+        cert = ca.issue_cert("127.0.0.1")
+        ca.cert_pem.write_to_path(str(tmp / "ca.pem"))
+        cert.private_key_pem.write_to_path(str(tmp / "key.pem"))
+        cert.cert_chain_pems[0].write_to_path(str(tmp / "cert.pem"))
+        scheme = "https"
+        tls_line = f", tls: {{ca_file: {tmp / 'ca.pem'}}}"
+        mock_tls = ["--tls-cert", str(tmp / "cert.pem"), "--tls-key", str(tmp / "key.pem")]
+        bare_env["SSL_CERT_FILE"] = str(tmp / "ca.pem")  # aiohttp's default context reads it
     cfg.write_text(
         textwrap.dedent(f"""\
         listen: {{host: 127.0.0.1, port: {gw_port}}}
         pools:
           p:
             instances:
-              - {{name: a, url: "http://127.0.0.1:{mock_port}/v1", model: up,
-                  max_concurrency: 1000}}
+              - {{name: a, url: "{scheme}://127.0.0.1:{mock_port}/v1", model: up,
+                  max_concurrency: 1000{tls_line}}}
         models:
           m: {{pool: p}}
         """)
     )
     procs: list[subprocess.Popen[bytes]] = []
 
-    def spawn(core: str, *cmd: str) -> subprocess.Popen[bytes]:
+    def spawn(core: str, *cmd: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         p = subprocess.Popen(
             ["taskset", "-c", core, *cmd],
             cwd=ROOT,
+            env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -162,7 +181,7 @@ def main() -> int:
         return p
 
     try:
-        spawn("1", PY, "-m", "gateway.cli", "mock", "--port", str(mock_port))
+        spawn("1", PY, "-m", "gateway.cli", "mock", "--port", str(mock_port), *mock_tls)
         wait_port(mock_port)
         bare = spawn(
             "0",
@@ -171,7 +190,8 @@ def main() -> int:
             "--port",
             str(bare_port),
             "--upstream",
-            f"http://127.0.0.1:{mock_port}",
+            f"{scheme}://127.0.0.1:{mock_port}",
+            env=bare_env,
         )
         gw_cmd = [PY, "-m", "gateway.cli", "serve", "--config", str(cfg)]
         if not args.access_log:
@@ -180,7 +200,7 @@ def main() -> int:
         wait_port(bare_port)
         wait_port(gw_port)
         targets = [
-            ("direct", f"http://127.0.0.1:{mock_port}/v1/chat/completions", None),
+            ("direct", f"{scheme}://127.0.0.1:{mock_port}/v1/chat/completions", None),
             ("bare-proxy", f"http://127.0.0.1:{bare_port}/v1/chat/completions", bare.pid),
             ("gateway", f"http://127.0.0.1:{gw_port}/v1/chat/completions", gw.pid),
         ]

@@ -8,6 +8,18 @@ Control endpoints (JSON): `GET /mock/stats`, `GET /mock/requests[?path=P&limit=N
 `GET|POST /mock/config` (POST patches `MockBehavior` fields), `POST /mock/reset`,
 `POST /mock/crash {"for_s": 1.0}` (close the listening socket, drop every connection, come
 back after `for_s`).
+
+Like vLLM it can also hold a batch and a prefix cache (SPEC §15's reason to exist):
+
+- `max_num_seqs` generations run at once; the rest wait inside the mock (not a 429);
+- `prefix_cache` keeps an LRU of that many prompt prefixes (a hash of the first
+  `prefix_chars` characters of the rendered messages, rendered as the gateway's affinity key
+  renders them). Prefill costs `prefill_us_per_char` per character not in the cache, before
+  the first token: a hit prefills only what follows the prefix, a miss the whole prompt;
+- `GET /metrics` (server root) answers vLLM-style Prometheus text:
+  `vllm:num_requests_waiting` (requests beyond `max_num_seqs`), `vllm:num_requests_running`,
+  `vllm:gpu_cache_usage_perc` (LRU fill ratio), and prefix-cache query/hit counters (per
+  request, where vLLM counts tokens).
 """
 
 from __future__ import annotations
@@ -21,15 +33,19 @@ import math
 import random
 import signal
 import socket
+import ssl
 import struct
 import sys
 import time
 import zlib
+from collections.abc import AsyncIterator
 from typing import Any, Final, Literal, get_args
 
 import msgspec
 import orjson
 from aiohttp import web
+
+from gateway.affinity import render_prefix
 
 __all__ = [
     "FAIL_MODES",
@@ -78,13 +94,27 @@ class MockBehavior(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     embedding_dim: int = 8
     seed: int | None = None  # seeds failure and latency draws and the generated text
     log_size: int = 100  # how many requests /mock/requests keeps
+    # vLLM-like batch: generations running at once, the rest wait (not 429); 0 = unlimited
+    max_num_seqs: int = 0
+    prefix_cache: int = 0  # prompt prefixes kept (LRU); 0 = no prefix cache
+    prefix_chars: int = 2048  # how much of the rendered prompt a prefix covers
+    prefill_us_per_char: float = 0.0  # prefill cost of each prompt character not cached
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fail_rate <= 1.0:
             raise ValueError("fail_rate must be within [0, 1]")
         if not 100 <= self.fail_status <= 599:
             raise ValueError("fail_status must be an HTTP status")
-        nonneg = ("latency_ms", "latency_max_ms", "tokens_per_s", "fail_every", "max_concurrency")
+        nonneg = (
+            "latency_ms",
+            "latency_max_ms",
+            "tokens_per_s",
+            "fail_every",
+            "max_concurrency",
+            "max_num_seqs",
+            "prefix_cache",
+            "prefill_us_per_char",
+        )
         for name in nonneg:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
@@ -92,6 +122,8 @@ class MockBehavior(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("default_tokens, max_tokens_cap and embedding_dim must be >= 1")
         if self.fail_after_chunks < 0 or self.log_size < 0:
             raise ValueError("fail_after_chunks and log_size must be >= 0")
+        if self.prefix_chars < 1:
+            raise ValueError("prefix_chars must be >= 1")
 
 
 class MockStats(msgspec.Struct, kw_only=True):
@@ -109,6 +141,10 @@ class MockStats(msgspec.Struct, kw_only=True):
     injected: dict[str, int] = msgspec.field(default_factory=dict)  # failures per mode
     prompt_tokens: int = 0  # usage of successful generations
     completion_tokens: int = 0
+    waiting: int = 0  # generations waiting for one of max_num_seqs
+    peak_waiting: int = 0
+    prefix_hits: int = 0  # generations whose prompt prefix was cached
+    prefix_misses: int = 0
 
 
 def sample_latency_ms(rng: random.Random, b: MockBehavior) -> float:
@@ -157,7 +193,7 @@ _GEN_PATHS: Final = {
     "/v1/completions": "text",
     "/v1/embeddings": "embed",
 }
-_GET_PATHS: Final = frozenset({"/v1/models", "/health"})
+_GET_PATHS: Final = frozenset({"/v1/models", "/health", "/metrics"})
 _ERROR_TYPES: Final[dict[int, tuple[str, str | None]]] = {
     400: ("invalid_request_error", "invalid_request"),
     404: ("invalid_request_error", "model_not_found"),
@@ -240,11 +276,17 @@ class MockServer:
     """The simulated backend. `async with MockServer(MockBehavior(...)) as m:` then use `m.url`."""
 
     def __init__(
-        self, behavior: MockBehavior | None = None, host: str = "127.0.0.1", port: int = 0
+        self,
+        behavior: MockBehavior | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.behavior = behavior if behavior is not None else MockBehavior()
         self.host = host
         self.port = port
+        # HTTPS when given (an OpenAI-like TLS upstream for tests and benchmarks).
+        self.ssl_context = ssl_context
         self.stats = MockStats()
         self._log: collections.deque[dict[str, Any]] = collections.deque(
             maxlen=self.behavior.log_size
@@ -257,13 +299,19 @@ class MockServer:
         self._crash_task: asyncio.Task[None] | None = None
         self._stopping = False
         self._models_cache: tuple[str, bytes] = ("", b"")
+        # vLLM-like batch and prefix cache (see the module docstring)
+        self._seqs: asyncio.Semaphore | None = None
+        self._seqs_size = 0
+        self._running = 0
+        self._prefixes: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     # ---- lifecycle and in-process control -------------------------------------------------
 
     @property
     def base_url(self) -> str:
         host = "127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host
-        return f"http://{host}:{self.port}"
+        scheme = "https" if self.ssl_context is not None else "http"
+        return f"{scheme}://{host}:{self.port}"
 
     @property
     def url(self) -> str:
@@ -293,7 +341,9 @@ class MockServer:
 
     async def _listen(self) -> None:
         assert self._runner is not None
-        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        site = web.TCPSite(
+            self._runner, self.host, self.port, reuse_address=True, ssl_context=self.ssl_context
+        )
         await site.start()
         self._site = site
         if self.port == 0:
@@ -346,14 +396,20 @@ class MockServer:
             self._rng.seed(new.seed)
         if new.log_size != self._log.maxlen:
             self._log = collections.deque(self._log, maxlen=new.log_size)
+        while len(self._prefixes) > new.prefix_cache:
+            self._prefixes.popitem(last=False)
         self.behavior = new
         return new
 
     def reset(self) -> None:
         """Clear stats and the request log; reseed so a seeded run repeats exactly."""
         in_flight = self.stats.in_flight
-        self.stats = MockStats(in_flight=in_flight, peak_in_flight=in_flight)
+        waiting = self.stats.waiting
+        self.stats = MockStats(
+            in_flight=in_flight, peak_in_flight=in_flight, waiting=waiting, peak_waiting=waiting
+        )
         self._log.clear()
+        self._prefixes.clear()
         self._gen_seq = 0
         self._rng.seed(self.behavior.seed)
 
@@ -386,7 +442,8 @@ class MockServer:
                 return self._abort(call, web.Response())
             if gen:
                 assert kind is not None
-                resp = await self._generate(request, call, kind, b)
+                async with self._seq_slot(b):
+                    resp = await self._generate(request, call, kind, b)
             else:
                 resp = self._simple(request, path, b)
         except asyncio.CancelledError:
@@ -407,6 +464,78 @@ class MockServer:
             if gen:
                 st.in_flight -= 1
         return self._count(call, resp)
+
+    @contextlib.asynccontextmanager
+    async def _seq_slot(self, b: MockBehavior) -> AsyncIterator[None]:
+        """One of `max_num_seqs` running slots, waited for in arrival order (vLLM's scheduler
+        queues what its batch cannot take)."""
+        if b.max_num_seqs and (self._seqs is None or self._seqs_size != b.max_num_seqs):
+            # (re)sized by a reconfigure: holders of the old one release the old one
+            self._seqs, self._seqs_size = asyncio.Semaphore(b.max_num_seqs), b.max_num_seqs
+        seqs = self._seqs if b.max_num_seqs else None
+        st = self.stats
+        if seqs is not None and seqs.locked():
+            st.waiting += 1
+            st.peak_waiting = max(st.peak_waiting, st.waiting)
+            try:
+                await seqs.acquire()
+            finally:
+                self.stats.waiting -= 1
+        elif seqs is not None:
+            await seqs.acquire()
+        self._running += 1
+        try:
+            yield
+        finally:
+            self._running -= 1
+            if seqs is not None:
+                seqs.release()
+
+    def _prefill_ms(self, body: dict[str, Any], b: MockBehavior) -> float:
+        """Prefill time of a prompt: its characters not in the prefix cache, at
+        `prefill_us_per_char` each; looks the prefix up (and caches it) on the way."""
+        if not b.prefix_cache and not b.prefill_us_per_char:
+            return 0.0
+        prompt = render_prefix(body, 1 << 30)
+        uncached = len(prompt)
+        if b.prefix_cache:
+            prefix = prompt[: b.prefix_chars]
+            if prefix in self._prefixes:
+                self._prefixes.move_to_end(prefix)
+                self.stats.prefix_hits += 1
+                uncached -= len(prefix)
+            else:
+                self.stats.prefix_misses += 1
+                self._prefixes[prefix] = None
+                if len(self._prefixes) > b.prefix_cache:
+                    self._prefixes.popitem(last=False)
+        return uncached * b.prefill_us_per_char / 1000.0
+
+    def metrics_text(self) -> bytes:
+        """vLLM-style Prometheus text: the gauges the gateway reads (SPEC §15) and counters."""
+        b, st = self.behavior, self.stats
+        label = "{model_name=" + orjson.dumps(b.model).decode() + "}"
+        usage = len(self._prefixes) / b.prefix_cache if b.prefix_cache else 0.0
+        rows = (
+            ("num_requests_running", "gauge", "Requests in the running batch.", self._running),
+            ("num_requests_waiting", "gauge", "Requests waiting for the batch.", st.waiting),
+            ("gpu_cache_usage_perc", "gauge", "KV-cache usage; 1 means 100 percent.", usage),
+            (
+                "prefix_cache_queries_total",
+                "counter",
+                "Prefix-cache lookups (requests).",
+                st.prefix_hits + st.prefix_misses,
+            ),
+            ("prefix_cache_hits_total", "counter", "Prefix-cache hits (requests).", st.prefix_hits),
+        )
+        lines = []
+        for name, kind, help_text, value in rows:
+            lines += [
+                f"# HELP vllm:{name} {help_text}",
+                f"# TYPE vllm:{name} {kind}",
+                f"vllm:{name}{label} {float(value)}",
+            ]
+        return ("\n".join(lines) + "\n").encode()
 
     def _count(self, call: _Call, resp: web.StreamResponse) -> web.StreamResponse:
         st = self.stats
@@ -436,6 +565,8 @@ class MockServer:
             return self._err(405, f"method {request.method} not allowed", "method_not_allowed")
         if path == "/health":
             return web.Response()
+        if path == "/metrics":
+            return web.Response(body=self.metrics_text(), content_type="text/plain")
         if self._models_cache[0] != b.model:
             card = {"id": b.model, "object": "model", "created": 0, "owned_by": "mock"}
             self._models_cache = (b.model, orjson.dumps({"object": "list", "data": [card]}))
@@ -507,6 +638,8 @@ class MockServer:
             return self._err(404, f"The model `{model}` does not exist.")
         if fail is not None:
             self.stats.injected[fail] = self.stats.injected.get(fail, 0) + 1
+        if kind != "embed":
+            latency_ms += self._prefill_ms(body, b)
         if latency_ms > 0.0:
             await asyncio.sleep(latency_ms / 1000.0)
         if fail == "status":
@@ -762,6 +895,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     a("--port", type=int, required=True, help="port to listen on")
+    a("--tls-cert", default=None, help="serve HTTPS with this PEM certificate chain")
+    a("--tls-key", default=None, help="the private key of --tls-cert (PEM)")
     a("--model", default=d.model, help="model name served by /v1/models (default %(default)s)")
     a("--latency-ms", type=float, default=d.latency_ms, help="mean delay before the first byte")
     a("--latency-dist", choices=LATENCY_DISTS, default=d.latency_dist, help="delay distribution")
@@ -773,6 +908,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--fail-status", type=int, default=d.fail_status, help="HTTP status of `status` failures")
     a("--retry-after-s", type=float, default=None, help="Retry-After on `status` failures")
     a("--max-concurrency", type=int, default=0, help="answer 429 beyond this; 0 = unlimited")
+    a(
+        "--max-num-seqs",
+        type=int,
+        default=d.max_num_seqs,
+        help="generations running at once, like vLLM's; the rest wait; 0 = unlimited",
+    )
+    a(
+        "--prefix-cache",
+        type=int,
+        default=d.prefix_cache,
+        metavar="N",
+        help="keep an LRU of N prompt prefixes (vLLM prefix caching); 0 = off",
+    )
+    a(
+        "--prefix-chars",
+        type=int,
+        default=d.prefix_chars,
+        metavar="K",
+        help="characters of the rendered prompt a prefix covers (default %(default)s)",
+    )
+    a(
+        "--prefill-us-per-char",
+        type=float,
+        default=d.prefill_us_per_char,
+        help="prefill time per uncached prompt character, in microseconds "
+        "(e.g. 40: a 2500-character miss costs 100 ms before the first token)",
+    )
     a("--seed", type=int, default=None, help="seed for failure/latency draws and text")
 
 
@@ -790,6 +952,10 @@ def behavior_from_args(args: argparse.Namespace) -> MockBehavior:
         fail_status=args.fail_status,
         retry_after_s=args.retry_after_s,
         max_concurrency=args.max_concurrency,
+        max_num_seqs=args.max_num_seqs,
+        prefix_cache=args.prefix_cache,
+        prefix_chars=args.prefix_chars,
+        prefill_us_per_char=args.prefill_us_per_char,
         seed=args.seed,
     )
 
@@ -807,8 +973,12 @@ def run(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stopped.set)
-        async with MockServer(behavior, host=args.host, port=args.port) as mock:
-            print(f"mock listening on http://{args.host}:{mock.port}/v1", flush=True)
+        ctx = None
+        if args.tls_cert:
+            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ctx.load_cert_chain(args.tls_cert, args.tls_key)
+        async with MockServer(behavior, host=args.host, port=args.port, ssl_context=ctx) as mock:
+            print(f"mock listening on {mock.url}", flush=True)
             await stopped.wait()
 
     try:
