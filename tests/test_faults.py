@@ -379,3 +379,29 @@ async def test_lifecycle_events_are_logged(
     mine = [msg for msg, inst in events if inst == name]
     assert mine[:3] == ["instance ejected", "instance half_open", "instance restored"], events
     await gw.assert_quiet()
+
+
+async def test_a_waiter_evicted_by_an_ejection_gets_the_real_retry_after(
+    mocks: MockFactory, gateway_factory: GatewayFactory
+) -> None:
+    """SPEC §6: 503 "with Retry-After (the time until the earliest instance may be tried)".
+    A queued request evicted because its pool's last instance was ejected used to be told
+    `Retry-After: 1` whatever the ejection's length."""
+    m = await mocks(latency_ms=300, fail_rate=1.0, fail_status=500)
+    gw = await gateway_factory(
+        two_pool_config(
+            pool_config((m, 1)),
+            health={"failure_threshold": 1, "ejection_ms": 8000, "max_ejection_ms": 60_000},
+            retries={"max_attempts": 1},
+        )
+    )
+    blocker = asyncio.create_task(_post(gw))
+    await gw.wait_in_flight(1)
+    waiter = asyncio.create_task(_post(gw))
+    await gw.wait_queued(1, 0)
+    status, body, _ = await blocker
+    assert status == 502
+    status, body, headers = await waiter
+    assert status == 503 and body["error"]["code"] == "no_healthy_instance"
+    assert 7 <= int(headers["Retry-After"]) <= 8  # the ejection's 8 s, not 1
+    await gw.assert_quiet()

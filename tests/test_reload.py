@@ -137,3 +137,62 @@ async def test_admin_endpoints_need_the_admin_key(
         assert resp.status == 200
     status, _ = await gw.reload(copy.deepcopy(config), headers=admin)
     assert status == 200
+
+
+async def test_a_reload_keeps_each_keys_rate_limit_bucket(
+    mocks: MockFactory, gateway_factory: GatewayFactory
+) -> None:
+    """A reload used to rebuild every key's RPM/TPM bucket: a key at its limit was let in
+    again by any SIGHUP. An unchanged key keeps its bucket."""
+    m = await mocks()
+    auth = {
+        "keys": [{"key": "sk-limited-1", "name": "limited", "rpm": 2}],
+        "admin_key": "sk-admin-reload-1",
+    }
+    config = simple_config(pool_config(m), auth=auth)
+    gw = await gateway_factory(config)
+    key = {"Authorization": "Bearer sk-limited-1"}
+    assert [(await _send(gw, headers=key))[0] for _ in range(2)] == [200, 200]
+    assert (await _send(gw, headers=key))[0] == 429
+    admin = {"Authorization": "Bearer sk-admin-reload-1"}
+    status, _ = await gw.reload(copy.deepcopy(config), headers=admin)
+    assert status == 200
+    assert (await _send(gw, headers=key))[0] == 429  # still spent after the reload
+    await gw.assert_quiet()
+
+
+async def test_enabling_probes_by_reload_starts_probing(
+    mocks: MockFactory, gateway_factory: GatewayFactory
+) -> None:
+    """A reload that turned probes on used to leave them off (the prober started only at
+    boot), so an ejected instance never came back: half-open needs a passing probe."""
+    a, b = await mocks(), await mocks()
+    config = simple_config(
+        pool_config(a, b),
+        health={"failure_threshold": 1, "ejection_ms": 200, "probe": {"enabled": False}},
+    )
+    gw = await gateway_factory(config)
+    await a.set_down(True)
+    for _ in range(3):
+        assert (await _send(gw))[0] == 200  # served by b; a is ejected
+    name = f"m{a.port}-0"
+
+    def state_of(s: dict[str, Any]) -> str:
+        return str(next(i for i in s["pools"]["p"]["instances"] if i["name"] == name)["state"])
+
+    assert state_of(await gw.state()) == "ejected"
+    await a.set_down(False)
+    probing = copy.deepcopy(config)
+    probing["health"] = {
+        "failure_threshold": 1,
+        "ejection_ms": 200,
+        "success_threshold": 1,
+        "probe": {"enabled": True, "interval_ms": 100, "timeout_ms": 500},
+    }
+    assert (await gw.reload(probing))[0] == 200
+    # a passing probe lets it into half-open; one successful request restores it
+    await gw.wait_state(lambda s: state_of(s) == "half_open", within=10)
+    for _ in range(4):
+        assert (await _send(gw))[0] == 200
+    await gw.wait_state(lambda s: state_of(s) == "healthy")
+    await gw.assert_quiet()
