@@ -364,7 +364,7 @@ async def test_hostile_and_unexpected_state_is_shown_as_text(
         "draining": True,
         "future_top_level": 1,
     }
-    monkeypatch.setattr(gw.gateway, "state", lambda: doc)
+    monkeypatch.setattr(gw.gateway.admin, "state", lambda: doc)
     await page.goto(gw.url + "/dashboard")
     await page.wait_for("document.querySelectorAll('[data-instance]').length === 3")
     assert await page.evaluate("window.pwned === undefined")

@@ -33,7 +33,8 @@ async def _saturate(
     """A slow blocker in flight, then `lows` and `highs` queued behind it, in that order (or
     highs first); the backend's own latency is restored once the queue is built."""
     latency = m.behavior.latency_ms
-    m.configure(latency_ms=500)
+    # Long enough for every request to be queued behind it even on a loaded machine.
+    m.configure(latency_ms=1500)
     tasks = [asyncio.create_task(_send(gw, "B", "high"))]
     await gw.wait_in_flight(1)
     m.configure(latency_ms=latency)
@@ -103,7 +104,7 @@ async def test_low_wait_bound_forces_one_low_at_a_time(
     await asyncio.gather(*tasks)
     order = _order(m)[1:]
     lows = [i for i, c in enumerate(order) if c == "L"]
-    # the lows waited behind the 500 ms blocker, past the bound: the first grant is forced low;
+    # the lows waited behind the 1.5 s blocker, past the bound: the first grant is forced low;
     # then the bound restarts and each next low comes after ~350 ms, i.e. after 3 (or, on a
     # slow machine, 2) high grants of 100 ms — one forced low per bound, never a run of them
     assert lows[0] == 0, order
