@@ -119,6 +119,21 @@ def run_wrk(url: str, conns: int, duration: float, body: str, pid: int | None) -
     )
 
 
+# An OTLP/HTTP collector that accepts every export and keeps nothing (for --otel).
+_SINK = """
+import sys
+from aiohttp import web
+
+async def ok(request):
+    await request.read()
+    return web.Response(status=200, content_type="application/x-protobuf")
+
+app = web.Application()
+app.router.add_route("POST", "/{tail:.*}", ok)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
+"""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration", type=float, default=10.0)
@@ -127,6 +142,12 @@ def main() -> int:
     ap.add_argument("--access-log", action="store_true", help="gateway logs every request")
     ap.add_argument(
         "--ttfc", action="store_true", help="also time to first stream chunk, one at a time"
+    )
+    ap.add_argument(
+        "--otel",
+        action="store_true",
+        help="also a gateway with OpenTelemetry tracing at sample ratio 1.0 (needs the otel "
+        "extra), exporting to a sink that accepts and drops every span batch",
     )
     ap.add_argument(
         "--tls",
@@ -204,6 +225,23 @@ def main() -> int:
             ("bare-proxy", f"http://127.0.0.1:{bare_port}/v1/chat/completions", bare.pid),
             ("gateway", f"http://127.0.0.1:{gw_port}/v1/chat/completions", gw.pid),
         ]
+        if args.otel:
+            sink_port, otel_port = free_port(), free_port()
+            spawn("1", PY, "-c", _SINK, str(sink_port))
+            otel_cfg = tmp / "gateway-otel.yaml"
+            otel_cfg.write_text(
+                cfg.read_text().replace(str(gw_port), str(otel_port))
+                + f"telemetry: {{otlp_endpoint: 'http://127.0.0.1:{sink_port}', "
+                "sample_ratio: 1.0}\n"
+            )
+            otel_cmd = [PY, "-m", "gateway.cli", "serve", "--config", str(otel_cfg)]
+            if not args.access_log:
+                otel_cmd.append("--no-access-log")
+            otel = spawn("0", *otel_cmd)
+            wait_port(otel_port)
+            targets.append(
+                ("gateway+otel", f"http://127.0.0.1:{otel_port}/v1/chat/completions", otel.pid)
+            )
         bodies = [("json", BODY)] + ([("sse", STREAM_BODY)] if args.stream else [])
         for _, url, pid in targets:  # warm up connections and caches
             run_wrk(url, 8, 1.0, BODY, pid)
