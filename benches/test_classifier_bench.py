@@ -9,6 +9,11 @@ keyword, so every rule is evaluated before the default answers. Two worst cases 
 English prose with no code (the word pass costs per word) and 4 KB of unfenced code (counted
 line by line). For scale on whatever machine runs this, `test_reference_json_decode` times
 decoding the same request body with orjson, which the gateway does for every request anyway.
+
+The 4 KB prompts end in the default, so they pay for every rule: the keyword lists, the
+built-in vocabulary (English words and the Chinese pass of the core's automaton) and the
+linear model's score. `short-zh-vocabulary` is a short Chinese question decided by the
+vocabulary (`algorithm=线段树`).
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ def judge_prompt(prose: str, code: str, question: str) -> str:
 EN_4KB = judge_prompt(EN_PROSE, CODE, "What is wrong with the update of best[j]?")
 ZH_4KB = judge_prompt(ZH_PROSE, CODE, "请帮我看看 best[j] 的更新哪里写错了？")
 SHORT = "Does this compile? int main(){return 0;}"
+SHORT_ZH_VOCABULARY = "用线段树维护区间最大值，懒标记应该怎么下传？"
 EN_PROSE_4KB = (EN_PROSE * 10).encode()[:SIZE].decode()
 UNFENCED_CODE_4KB = (
     "\n".join([CODE] * (SIZE // len(CODE) + 1)).encode()[: SIZE - 30].decode()
@@ -104,6 +110,9 @@ def body(text: str) -> dict[str, Any]:
         pytest.param(EN_4KB, ("simple", "default"), id="en-4kb"),
         pytest.param(ZH_4KB, ("simple", "default"), id="zh-4kb"),
         pytest.param(SHORT, ("simple", "keyword=does this compile"), id="short"),
+        pytest.param(
+            SHORT_ZH_VOCABULARY, ("complex", "algorithm=线段树"), id="short-zh-vocabulary"
+        ),
         pytest.param(EN_PROSE_4KB, ("simple", "default"), id="worst-en-prose-4kb"),
         pytest.param(UNFENCED_CODE_4KB, ("complex", "code_lines=135"), id="worst-unfenced-4kb"),
     ],
