@@ -61,6 +61,7 @@ log = logging.getLogger("gateway")
 _JSON = "application/json"
 # A client whose unsent stream bytes exceed this pauses the upstream (SPEC §16: bounded).
 _CLIENT_HIGH_WATER = 256 * 1024
+_STALLED = "upstream stream stalled"
 
 #: Body fields that could steer a request elsewhere; never forwarded (SPEC §7).
 URL_FIELDS = frozenset(("api_base", "base_url", "api_key", "organization", "extra_headers"))
@@ -473,22 +474,13 @@ class Forwarder:
         idle: float,
         deadline: float,
     ) -> None:
-        """The hot loop of a token stream, after its first event: no coroutine between the
-        upstream read and the client write but the two themselves (one guard per read, not a
-        wrapper per chunk). Ends at `[DONE]` (nothing after it is relayed) or the body's end."""
+        """A token stream after its first event, read piece by piece (a client the splice
+        cannot serve: not HTTP/1.1 chunked). Ends at `[DONE]` (nothing after it is relayed)
+        or the body's end."""
         watchdog = ex.watchdog
-        arm, clock, readany, write = watchdog.arm, watchdog.loop.time, resp_up.readany, resp.write
-        scrub = self._scrub_events
+        write, scrub = resp.write, self._scrub_events
         while not checker.done:
-            arm(min(clock() + idle, deadline))
-            try:
-                chunk = await readany()
-            except asyncio.CancelledError:
-                if not watchdog.absorb():
-                    raise
-                raise AttemptError("upstream stream stalled", timeout=True) from None
-            except OSError as exc:
-                raise AttemptError(f"upstream cut the stream ({exc})") from None
+            chunk = await _read_chunk(resp_up, watchdog, idle, deadline)
             if not chunk:
                 out = checker.finish()
                 if out:
@@ -542,14 +534,9 @@ class Forwarder:
                 await writer.drain()
 
         arm(min(clock() + idle, deadline))
-        try:
-            ended = await resp_up.relay(sink, drain)
-        except asyncio.CancelledError:
-            if not watchdog.absorb():
-                raise
-            raise AttemptError("upstream stream stalled", timeout=True) from None
-        except OSError as exc:
-            raise AttemptError(f"upstream cut the stream ({exc})") from None
+        ended = await _guarded(
+            resp_up.relay(sink, drain), watchdog, _STALLED, "upstream cut the stream"
+        )
         if is_closing():
             raise ConnectionResetError("the client left")
         if ended:
@@ -612,6 +599,4 @@ async def _read_all(resp: Response, watchdog: Watchdog, limit: int) -> bytes:
 async def _read_chunk(content: Response, watchdog: Watchdog, idle: float, deadline: float) -> bytes:
     """The next piece of a stream, within the idle timeout and the attempt's total deadline."""
     watchdog.arm(min(watchdog.loop.time() + idle, deadline))
-    return await _guarded(
-        content.readany(), watchdog, "upstream stream stalled", "upstream cut the stream"
-    )
+    return await _guarded(content.readany(), watchdog, _STALLED, "upstream cut the stream")
