@@ -21,6 +21,14 @@ Where the SPEC leaves room it takes the core's documented choices:
 - ejection doubling decays by one step per `ejection_ms` of healthy time (health.rs), and an
   attempt granted before the latest ejection no longer speaks for the instance (epochs);
 - `random` and `p2c` draw from SplitMix64 exactly as rust/core/src/rng.rs and balancer.rs do;
+- an instance's load is `(in_flight + backend waiting) / max_concurrency`, equal loads told
+  apart by the backend's KV-cache usage (SPEC §15 "Backend load");
+- `affinity` (SPEC §15) is consistent hashing with bounded loads: every instance in the config
+  has 160 points on a u64 ring (the first outputs of SplitMix64 seeded with its ring id); a
+  keyed request takes the first instance clockwise from its key that may take it and whose
+  load (in flight + backend waiting) is below ceil((1 + ε)(total + 1) / n) over the instances
+  that are up, else the least loaded one that may take it; a request without a key is placed
+  as by least connections;
 - a new instance takes the slot of a removed one that has drained, else a new index.
 
 Where the SPEC speaks it follows the SPEC (places where the core once read differently are
@@ -32,6 +40,8 @@ QueueFull's retry-after (the core's drain meter) is not modelled: the reference 
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -39,6 +49,7 @@ from typing import Protocol
 
 from gateway._core import (
     MAX_INSTANCES,
+    Affinity,
     Balancer,
     DuplicateTicket,
     InstanceState,
@@ -61,6 +72,9 @@ Event = tuple[int, int]
 """(ticket, code): code >= 0 is the granted instance, else `EXPIRED` or `UNSERVABLE`."""
 
 U64 = (1 << 64) - 1
+
+#: Points per instance on the affinity ring.
+VNODES = 160
 
 
 class PoolConfigLike(Protocol):
@@ -88,6 +102,8 @@ class PoolConfigLike(Protocol):
     def overflow_high_to_low(self) -> bool: ...
     @property
     def balancer(self) -> Balancer: ...
+    @property
+    def affinity_epsilon(self) -> float: ...
     @property
     def failure_threshold(self) -> int: ...
     @property
@@ -151,6 +167,7 @@ class Waiter:
     tenant: int
     enqueued_at: int
     excluded: int  # bit set of instances it already tried
+    affinity_key: int = 0  # 0: none
 
 
 class ClassQueue:
@@ -191,15 +208,15 @@ class ClassQueue:
         raise KeyError(ticket)
 
     def pop_first_fitting(
-        self, instance_for: Callable[[int], int | None]
-    ) -> tuple[Waiter, int] | None:
-        """The first waiter, in fair order, that `instance_for(excluded)` finds an instance for.
+        self, instance_for: Callable[[Waiter], tuple[int, Affinity] | None]
+    ) -> tuple[Waiter, tuple[int, Affinity]] | None:
+        """The first waiter, in fair order, that `instance_for(waiter)` finds an instance for.
 
         The served tenant goes to the back of the ring; tenants passed over keep their turn.
         """
         for tenant in self.ring:
             for w in self.lists[tenant]:
-                inst = instance_for(w.excluded)
+                inst = instance_for(w)
                 if inst is not None:
                     self.lists[tenant].remove(w)
                     self.ring.remove(tenant)
@@ -236,9 +253,17 @@ class Instance:
     """An instance's slots and health."""
 
     max_concurrency: int
+    ring_id: int = 0  # where its points lie on the affinity ring
     in_flight: int = 0
     removed: bool = False
     health: Health = field(default_factory=Health)
+    backend_waiting: int = 0  # what the backend reports waiting (vLLM)
+    cache_permille: int = 0  # the backend's KV-cache usage, in thousandths
+
+    @property
+    def active(self) -> int:
+        """Requests on the instance: this pool's attempts and the backend's own queue."""
+        return self.in_flight + self.backend_waiting
 
     def is_up(self, now: int) -> bool:
         """Up (not removed, not ejected): it could take traffic once a slot frees and any
@@ -268,6 +293,8 @@ class InstanceView:
     ejections: int
     half_open_trials: int
     removed: bool
+    backend_waiting: int
+    cache_permille: int
 
 
 @dataclass(frozen=True)
@@ -281,6 +308,8 @@ class StatsView:
     cancelled: int
     rejected_full: int
     unservable: int
+    affinity_hits: int
+    affinity_spills: int
 
 
 @dataclass
@@ -316,6 +345,10 @@ class ReferencePool:
         # balancer
         self.cursor = 0
         self.rng = SplitMix64(seed)
+        # affinity: where each ticket's latest grant landed relative to its key
+        self.placements: dict[int, Affinity] = {}
+        self._last_affinity = Affinity.NONE
+        self._rings: dict[tuple[tuple[int, int], ...], list[tuple[int, int]]] = {}
         # counters
         self.counts = dict.fromkeys(
             (
@@ -326,6 +359,8 @@ class ReferencePool:
                 "cancelled",
                 "rejected_full",
                 "unservable",
+                "affinity_hits",
+                "affinity_spills",
             ),
             0,
         )
@@ -349,19 +384,28 @@ class ReferencePool:
         self.queues[Priority.LOW].capacity = config.low_capacity
         self.cfg = config
 
-    def add_instance(self, max_concurrency: int) -> int:
-        """Adds an instance; returns its index."""
+    def add_instance(self, max_concurrency: int, ring_id: int | None = None) -> int:
+        """Adds an instance; returns its index. Its ring id defaults to that index."""
         if max_concurrency == 0:
             raise InvalidPoolConfig("max_concurrency must be at least 1")
         for index, inst in enumerate(self.instances):
             if inst.removed and inst.in_flight == 0:
                 # a removed instance that has drained leaves a slot no attempt refers to
-                self.instances[index] = Instance(max_concurrency)
+                rid = index if ring_id is None else ring_id
+                self.instances[index] = Instance(max_concurrency, rid)
                 return index
         if len(self.instances) >= MAX_INSTANCES:
             raise InvalidPoolConfig(f"a pool holds at most {MAX_INSTANCES} instances")
-        self.instances.append(Instance(max_concurrency))
-        return len(self.instances) - 1
+        index = len(self.instances)
+        self.instances.append(Instance(max_concurrency, index if ring_id is None else ring_id))
+        return index
+
+    def set_backend_load(self, index: int, waiting: int, gpu_cache_usage: float) -> None:
+        """SPEC §15: what the backend reports of itself; counted from the next decision."""
+        inst = self._instance(index)
+        usage = 0.0 if math.isnan(gpu_cache_usage) else min(1.0, max(0.0, gpu_cache_usage))
+        inst.backend_waiting = waiting
+        inst.cache_permille = math.floor(usage * 1000 + 0.5)
 
     def set_max_concurrency(self, index: int, max_concurrency: int) -> None:
         """Changes a capacity; nothing running is cut."""
@@ -381,7 +425,13 @@ class ReferencePool:
     # ---- the operations ---------------------------------------------------------------------
 
     def submit(
-        self, ticket: int, priority: Priority, now_ms: int, tenant: int = 0, excluded: int = 0
+        self,
+        ticket: int,
+        priority: Priority,
+        now_ms: int,
+        tenant: int = 0,
+        excluded: int = 0,
+        affinity_key: int = 0,
     ) -> int:
         """SPEC §2.4: dispatch at once if an instance is free and nothing waits, else queue."""
         if ticket in self.granted or ticket in self.waiting_class:
@@ -394,11 +444,11 @@ class ReferencePool:
             retry_after = min(tries, default=0)
             raise with_retry_after(NoHealthyInstance(f"retry after {retry_after} ms"), retry_after)
         if self.waiting == 0:
-            inst = self._pick(excluded, now_ms)
-            if inst is not None:
+            placed = self._pick(excluded, affinity_key, now_ms)
+            if placed is not None:
                 self._commit("alone", priority, now_ms, low_was_waiting=False)
-                self._grant(ticket, priority, inst)
-                return inst
+                self._grant(ticket, priority, *placed)
+                return placed[0]
         # SPEC §3 "Overflow": a high request finding the high queue full spills into low.
         cls = priority
         if len(self.queues[priority]) >= self.queues[priority].capacity:
@@ -412,14 +462,19 @@ class ReferencePool:
             else:
                 self.counts["rejected_full"] += 1
                 raise with_retry_after(QueueFull("queue full"), 1000)
-        self.queues[cls].push(Waiter(ticket, tenant, now_ms, excluded))
+        self.queues[cls].push(Waiter(ticket, tenant, now_ms, excluded, affinity_key))
         self.waiting_class[ticket] = cls
         self._pump(now_ms)
         for event in self.events:
             if event[0] == ticket:
                 self.events.remove(event)
+                self._last_affinity = self.placements[ticket]
                 return event[1]
         return QUEUED if cls == priority else SPILLED
+
+    def last_affinity(self) -> Affinity:
+        """Where the latest grant landed relative to its affinity key."""
+        return self._last_affinity
 
     def take_events(self) -> list[Event]:
         """What `submit` decided for other tickets."""
@@ -551,6 +606,8 @@ class ReferencePool:
             ejections=h.ejections,
             half_open_trials=h.trials,
             removed=inst.removed,
+            backend_waiting=inst.backend_waiting,
+            cache_permille=inst.cache_permille,
         )
 
     def stats(self) -> StatsView:
@@ -659,17 +716,19 @@ class ReferencePool:
             # work-conserving: if nothing of the chosen class fits a free instance, the other
             # class goes
             for cls in (first, second):
-                found = self.queues[cls].pop_first_fitting(lambda ex: self._pick(ex, now))
+                found = self.queues[cls].pop_first_fitting(
+                    lambda w: self._pick(w.excluded, w.affinity_key, now)
+                )
                 if found is not None:
                     break
             else:
                 return
-            waiter, inst = found
+            waiter, (inst, placed) = found
             self._commit(how, cls, now, low_was_waiting=oldest_low is not None)
             if how == "forced" and cls == Priority.LOW:
                 self.counts["forced_low"] += 1
             del self.waiting_class[waiter.ticket]
-            self._grant(waiter.ticket, cls, inst)
+            self._grant(waiter.ticket, cls, inst, placed)
             self.events.append((waiter.ticket, inst))
 
     def _choose(self, high_waiting: bool, oldest_low: int | None, now: int) -> tuple[str, Priority]:
@@ -718,7 +777,13 @@ class ReferencePool:
                     self.counts["unservable"] += 1
                     self.events.append((w.ticket, UNSERVABLE))
 
-    def _grant(self, ticket: int, cls: Priority, index: int) -> None:
+    def _grant(self, ticket: int, cls: Priority, index: int, placed: Affinity) -> None:
+        self.placements[ticket] = placed
+        self._last_affinity = placed
+        if placed == Affinity.HIT:
+            self.counts["affinity_hits"] += 1
+        elif placed == Affinity.SPILL:
+            self.counts["affinity_spills"] += 1
         inst = self.instances[index]
         inst.in_flight += 1
         # SPEC §5: "An instance never exceeds its max_concurrency."
@@ -752,19 +817,24 @@ class ReferencePool:
             return h.trials < self.cfg.half_open_max_requests
         return h.state == InstanceState.HEALTHY
 
-    def _load(self, index: int) -> Fraction:
+    def _load(self, index: int) -> tuple[Fraction, int]:
+        """SPEC §15 "Backend load": (in flight + backend waiting) / max_concurrency, then the
+        backend's KV-cache usage."""
         inst = self.instances[index]
-        return Fraction(inst.in_flight, inst.max_concurrency)
+        return Fraction(inst.active, inst.max_concurrency), inst.cache_permille
 
-    def _pick(self, excluded: int, now: int) -> int | None:
-        """The balancer's choice among the instances that admit this request now."""
+    def _pick(self, excluded: int, key: int, now: int) -> tuple[int, Affinity] | None:
+        """The balancer's choice among the instances that admit this request now, and where
+        it lands relative to the request's affinity key."""
         n = len(self.instances)
         candidates = [i for i in range(n) if self._admits(i, excluded, now)]
         if not candidates:
             return None
-        from_cursor = [(self.cursor + k) % n for k in range(n)]
         kind = self.cfg.balancer
-        if kind == Balancer.LEAST_CONNECTIONS:
+        if kind == Balancer.AFFINITY and key != 0:
+            return self._place(key, candidates)
+        from_cursor = [(self.cursor + k) % n for k in range(n)]
+        if kind in (Balancer.LEAST_CONNECTIONS, Balancer.AFFINITY):
             # lowest in_flight / max_concurrency; the first from the cursor among equals
             chosen = min((i for i in from_cursor if i in candidates), key=self._load)
         elif kind == Balancer.ROUND_ROBIN:
@@ -782,4 +852,47 @@ class ReferencePool:
             first, second = candidates[a], candidates[b]
             chosen = second if self._load(second) < self._load(first) else first
         self.cursor = (chosen + 1) % n
-        return chosen
+        return chosen, Affinity.NONE
+
+    def _ring_order(self, key: int) -> list[int]:
+        """The instances in the config, clockwise from `key` on the ring, each once."""
+        members = tuple(
+            (i, inst.ring_id) for i, inst in enumerate(self.instances) if not inst.removed
+        )
+        points = self._rings.get(members)
+        if points is None:
+            points = []
+            for index, ring_id in members:
+                rng = SplitMix64(ring_id)
+                points += [(rng.next_u64(), index) for _ in range(VNODES)]
+            points.sort()
+            self._rings[members] = points
+        start = bisect.bisect_left(points, (key, -1))
+        order: list[int] = []
+        for _, index in points[start:] + points[:start]:
+            if index not in order:
+                order.append(index)
+        return order
+
+    def _place(self, key: int, candidates: list[int]) -> tuple[int, Affinity]:
+        """SPEC §15 (Mirrokni, Thorup, Zadimoghaddam): the first instance clockwise from the
+        key whose load is below ceil((1 + ε)(total + 1) / n), n and total over the instances
+        that are up; else the least loaded candidate (the first along the ring among equals).
+        """
+        order = self._ring_order(key)
+        up = [inst for inst in self.instances if inst.is_up(0)]
+        total = sum(inst.active for inst in up)
+        epsilon = round(self.cfg.affinity_epsilon * 1000)
+        cap = -(-(1000 + epsilon) * (total + 1) // (1000 * len(up)))
+        first = order[0]
+
+        def label(i: int) -> Affinity:
+            return Affinity.HIT if i == first else Affinity.SPILL
+
+        for i in order:
+            if i in candidates and self.instances[i].active < cap:
+                return i, label(i)
+        fallback = min(
+            (i for i in order if i in candidates), key=lambda i: self.instances[i].active
+        )
+        return fallback, label(fallback)

@@ -1013,6 +1013,7 @@ def test_masked_hides_exactly_the_secret_fields() -> None:
         "rpm": None,
         "tpm": None,
         "models": ["a"],
+        "routes": None,
     }
     assert dict(masked(Auth(keys=[key], admin_key="a"))) == {"keys": [key], "admin_key": MASK}
     # An unset secret shows as unset; a struct without secrets keeps the usual repr.
@@ -1020,7 +1021,7 @@ def test_masked_hides_exactly_the_secret_fields() -> None:
     assert repr(Listen()) == "Listen(host='127.0.0.1', port=8080)"
     assert repr(Auth(keys=[key])) == (
         "Auth(keys=[ApiKey(key='***', name='n', priority=None, rpm=None, tpm=None, "
-        "models=['a'])], admin_key=None)"
+        "models=['a'], routes=None)], admin_key=None)"
     )
 
 

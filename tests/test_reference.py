@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 
 from gateway import _core
 from gateway._core import (
+    Affinity,
     Balancer,
     EventKind,
     GatewayError,
@@ -45,27 +47,37 @@ class Pool:
 
     def __init__(self, config: PoolConfig, seed: int = 0) -> None:
         self._pool = _core.Pool(config, seed)
+        # where each ticket's latest grant landed relative to its affinity key, as the
+        # reference keeps it
+        self.placements: dict[int, Affinity] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pool, name)
 
     def submit(
-        self, ticket: int, priority: Priority, now: int, tenant: int = 0, excluded: int = 0
+        self,
+        ticket: int,
+        priority: Priority,
+        now: int,
+        tenant: int = 0,
+        excluded: int = 0,
+        affinity_key: int = 0,
     ) -> int:
-        granted = self._pool.submit(ticket, priority, now, tenant, excluded)
+        granted = self._pool.submit(ticket, priority, now, tenant, excluded, affinity_key)
         if granted is not None:
+            self.placements[ticket] = self._pool.last_affinity()
             return granted
         return QUEUED if self._pool.waiting_class(ticket) == priority else SPILLED
 
-    @staticmethod
-    def _codes(events: list[_core.Event]) -> Events:
+    def _codes(self, events: list[_core.Event]) -> Events:
         out = []
         for e in events:
             if e.kind is EventKind.GRANTED:
                 assert e.instance is not None and e.retry_after_ms == 0
                 out.append((e.ticket, e.instance))
+                self.placements[e.ticket] = e.affinity
             else:
-                assert e.instance is None
+                assert e.instance is None and e.affinity is Affinity.NONE
                 out.append((e.ticket, EXPIRED if e.kind is EventKind.EXPIRED else UNSERVABLE))
         return out
 
@@ -95,6 +107,8 @@ INSTANCE_FIELDS = (
     "ejections",
     "half_open_trials",
     "removed",
+    "backend_waiting",
+    "cache_permille",
 )
 STATS_FIELDS = (
     "granted_high",
@@ -104,6 +118,8 @@ STATS_FIELDS = (
     "cancelled",
     "rejected_full",
     "unservable",
+    "affinity_hits",
+    "affinity_spills",
 )
 
 # ---- strategies ------------------------------------------------------------------------------
@@ -122,8 +138,16 @@ config_kwargs = st.fixed_dictionaries(
         "max_low_wait_ms": st.sampled_from([10, 300, 5_000]),
         "overflow_high_to_low": st.booleans(),
         "balancer": st.sampled_from(
-            [Balancer.LEAST_CONNECTIONS, Balancer.ROUND_ROBIN, Balancer.RANDOM, Balancer.P2C]
+            [
+                Balancer.LEAST_CONNECTIONS,
+                Balancer.ROUND_ROBIN,
+                Balancer.RANDOM,
+                Balancer.P2C,
+                Balancer.AFFINITY,
+                Balancer.AFFINITY,
+            ]
         ),
+        "affinity_epsilon": st.sampled_from([0.0, 0.25, 0.25, 1.0]),
         "failure_threshold": st.integers(1, 3),
         "ejection_ms": st.sampled_from([10, 1_000, 10_000]),
         "max_ejection_ms": st.sampled_from([10, 5_000, 40_000]),
@@ -142,13 +166,27 @@ elapsed = st.one_of(st.just(0), st.integers(1, 40), st.integers(40, 600), st.int
 # (modulo what there is), `flag` the small choice the kind needs — see `Twin.apply`. Flat
 # tuples keep generation cheap; repeated kinds weight the mix (arrivals and releases dominate).
 KINDS = ["submit"] * 5 + ["release"] * 5 + ["retry", "cancel", "cancel", "probe", "probe"]
-KINDS += ["tick", "tick", "reload", "duplicate"]
+KINDS += ["tick", "tick", "reload", "duplicate", "backend"]
 operations = st.tuples(st.sampled_from(KINDS), st.integers(0, 15), st.integers(0, 7), elapsed)
 
 
 def arrival(k: int, flag: int) -> tuple[Priority, int, int]:
     """A submit's (priority, tenant, how many arrive at once)."""
     return (HIGH, LOW)[k % 2], k // 2 % 3, flag % 4 + 1
+
+
+# Affinity keys as a request's prompt hash looks (0: no key); few, so keys repeat and pile up.
+AFFINITY_KEYS = (0, 0x9E37_79B9_7F4A_7C15, 0x1234_5678_9ABC_DEF1, 0xFFFF_FFFF_FFFF_FFFF, 7)
+
+
+def affinity_key(k: int, flag: int) -> int:
+    """A submit's affinity key."""
+    return AFFINITY_KEYS[(k + flag) % len(AFFINITY_KEYS)]
+
+
+def backend_load(k: int, flag: int) -> tuple[int, int, float]:
+    """A backend report: (instance, requests waiting, KV-cache usage)."""
+    return k % 4, flag % 4, (k % 8) / 7
 
 
 def ending(k: int, flag: int) -> tuple[Outcome, int]:
@@ -172,6 +210,7 @@ class Request:
     priority: Priority
     tenant: int
     tried: int = 0  # bit set of the instances it was granted to
+    key: int = 0  # affinity key
 
 
 @dataclass
@@ -249,7 +288,9 @@ class Twin:
         """Submits `ticket`: fresh, or a retry excluding what it tried."""
         req = self.requests[ticket]
         try:
-            code = self.both("submit", ticket, req.priority, self.now, req.tenant, excluded)
+            code = self.both(
+                "submit", ticket, req.priority, self.now, req.tenant, excluded, req.key
+            )
         except GatewayError:
             return
         if code >= 0:
@@ -278,7 +319,7 @@ class Twin:
             for _ in range(burst):
                 ticket = self.next_ticket
                 self.next_ticket += 1
-                self.requests[ticket] = Request(priority, tenant)
+                self.requests[ticket] = Request(priority, tenant, key=affinity_key(k, flag))
                 self.submit(ticket)
         elif kind == "release" and self.granted:
             outcome, cool_ms = ending(k, flag)
@@ -296,6 +337,10 @@ class Twin:
             self.deliver(self.both("tick", self.now))
         elif kind == "reload":
             self.reload(RELOADS[flag % 4], k)
+        elif kind == "backend":
+            index, waiting, usage = backend_load(k, flag)
+            with contextlib.suppress(GatewayError):  # no such instance, on both
+                self.both("set_backend_load", index, waiting, usage)
         elif kind == "duplicate" and (self.waiting or self.granted):
             tickets = [*self.waiting, *self.granted]
             ticket = tickets[k % len(tickets)]
@@ -354,6 +399,9 @@ class Twin:
             core, ref = self.core.instance(index, self.now), self.ref.instance(index, self.now)
             for name in INSTANCE_FIELDS:
                 assert getattr(core, name) == getattr(ref, name), (index, name)
+        # SPEC §15: every grant landed where the reference says relative to its affinity key
+        assert self.core.placements == self.ref.placements
+        assert self.core.last_affinity() == self.ref.last_affinity()
         core_wakeup, ref_wakeup = self.core.next_wakeup(self.now), self.ref.next_wakeup(self.now)
         assert (core_wakeup is None) == (ref_wakeup is None)
         if core_wakeup is not None and ref_wakeup is not None:

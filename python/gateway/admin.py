@@ -22,6 +22,7 @@ from gateway.redact import REDACTOR, secrets_of
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
+    from gateway.cluster.node import ClusterNode
 
 __all__ = ["Admin"]
 
@@ -35,6 +36,8 @@ class Admin:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
+        #: SPEC §13: this replica's cluster membership (set by `Server`; None: cluster off).
+        self.cluster: ClusterNode | None = None
 
     def routes(self) -> dict[tuple[str, str], Any]:
         return {
@@ -55,6 +58,8 @@ class Admin:
         ejected, and not draining."""
         if self.gw.draining:
             return False, "draining"
+        if self.cluster is not None and not self.cluster.joined:
+            return False, "no cluster lease yet (Redis not reached since start)"
         now = now_ms()
         for name, pool in self.gw.runtime.pools.items():
             if not pool.snapshot(now).ready:
@@ -63,7 +68,10 @@ class Admin:
 
     async def readyz(self, request: web.BaseRequest) -> web.StreamResponse:
         ok, reason = self.ready()
-        body = orjson.dumps({"status": "ready" if ok else "not_ready", "reason": reason})
+        doc = {"status": "ready" if ok else "not_ready", "reason": reason}
+        if self.cluster is not None:
+            doc["cluster"] = self.cluster.status  # SPEC §13: `cluster: degraded`
+        body = orjson.dumps(doc)
         return web.Response(status=200 if ok else 503, body=body, content_type=_JSON)
 
     def state(self) -> dict[str, Any]:
@@ -78,10 +86,15 @@ class Admin:
             pools[name] = _pool_doc(snap, offset) | {
                 "queue_capacity": {"high": sched.high.capacity, "low": sched.low.capacity}
             }
+        # SPEC §14: batches per status, and the ones being worked on with their progress.
+        batches, running = self.gw.batch.state()
         return {
             "pools": pools,
+            "batches": batches,
+            "running_batches": running,
             "buffered_bytes": self.gw.buffered_bytes,
             "draining": self.gw.draining,
+            **({"cluster": self.cluster.state()} if self.cluster is not None else {}),
             "version": __version__,
             "now": round(time.time(), 3),
         }
@@ -102,11 +115,18 @@ class Admin:
             gw.metrics.reloaded(False)
             log.error("config reload failed", extra={"fields": {"reason": str(exc)}})
             return False, str(exc), []
+        if (config.cluster is None) != (self.cluster is None):
+            gw.metrics.reloaded(False)
+            return False, "turning cluster mode on or off needs a restart", []
         REDACTOR.add(secrets_of(config))
         notes = gw.runtime.reload(config)
         # The previous ring: unchanged keys keep their RPM/TPM buckets and tenant indexes
         # (queued requests carry them).
         gw.keys = KeyRing(config, previous=gw.keys)
+        if self.cluster is not None:
+            self.cluster.adopt_keys(gw.keys)  # SPEC §13 cluster-wide limits, before any request
+            if config.cluster != self.cluster.settings:
+                notes.append("cluster settings apply after a restart")
         gw.metrics.reloaded(True)
         await gw.runtime.collect()
         log.info(
@@ -160,6 +180,14 @@ def _instance_doc(i: InstanceSnapshot, offset: float) -> dict[str, Any]:
         "removed": i.removed,
         "last_error": REDACTOR.redact(last[1]) if last else None,
         "last_error_at": round(last[0], 3) if last else None,
+        # SPEC §13: this replica's leased slots (cluster mode only).
+        **({"lease": i.lease} if i.lease is not None else {}),
+        # SPEC §15: what a vLLM backend last reported of its own load (null: not read).
+        "backend": (
+            {"waiting": i.backend.waiting, "gpu_cache_usage": i.backend.gpu_cache_usage}
+            if i.backend is not None
+            else None
+        ),
     }
 
 
@@ -174,5 +202,8 @@ def _pool_doc(snap: PoolSnapshot, offset: float) -> dict[str, Any]:
         "rejected_full": snap.rejected_full,
         "drain_rate_per_s": round(snap.drain_rate_per_s, 3),
         "fallback": snap.fallback,
+        "balancer": snap.balancer,
+        # SPEC §15: grants to their key's first-choice instance (hits) or a later one (spills).
+        "affinity": {"hits": snap.affinity_hits, "spills": snap.affinity_spills},
         "instances": [_instance_doc(i, offset) for i in snap.instances],
     }

@@ -24,7 +24,9 @@ from aiohttp.web_protocol import RequestHandler
 
 from gateway import telemetry
 from gateway.admin import Admin
+from gateway.affinity import affinity_key
 from gateway.auth import KeyRing, Tenant
+from gateway.batch import BATCH_PATHS, BatchService
 from gateway.config import Config
 from gateway.deadline import Watchdog
 from gateway.errors import (
@@ -170,6 +172,9 @@ class Gateway:
             self._routes[("POST", path)] = self._proxy_handler(endpoint)
         self.keys = KeyRing(config)
         self.metrics = Metrics(lambda: self.runtime)
+        # SPEC §14: the Batch API (`/v1/files`, `/v1/batches`; ids matched in `handle`).
+        self.batch = BatchService(self)
+        self._routes.update(self.batch.api.routes())
         self._allowed: dict[str, str] = {}
         for method, path in self._routes:
             self._allowed[path] = ", ".join(filter(None, (self._allowed.get(path), method)))
@@ -206,6 +211,8 @@ class Gateway:
         if isinstance(proto, _Protocol):
             proto.started = True
         handler = self._routes.get((request.method, request.path))
+        if handler is None and request.path.startswith(BATCH_PATHS):
+            handler = self.batch.api.route(request.method, request.path)
         resp: web.StreamResponse
         if handler is None:
             allowed = self._allowed.get(request.path)
@@ -408,14 +415,22 @@ class Gateway:
         data: dict[str, Any],
     ) -> web.StreamResponse:
         """Classify and route (SPEC §4), then admit, queue, balance and forward."""
-        if tenant.models is not None and data["model"] not in tenant.models:
+        alias = data["model"]
+        if tenant.models is not None and alias not in tenant.models:
             # Like OpenAI: an alias this key may not use does not exist for it.
             raise ModelNotFound(
                 "The model does not exist or this API key has no access to it.", param="model"
             )
-        ex.decision = self.runtime.router.decide(data["model"], headers, data, tenant.priority)
+        if tenant.routes is not None:
+            # SPEC §15 tier routes, before routing: a free key's `judge` is served as `judge-lite`.
+            alias = tenant.routes.get(alias, alias)
+        router = self.runtime.router
+        ex.decision = router.decide(alias, headers, data, tenant.priority)
+        if router.affinity_prefix_chars:
+            # SPEC §15: the key affinity pools place the request by (its session or prefix).
+            ex.affinity_key = affinity_key(headers, data, router.affinity_prefix_chars)
         if ex.span is not None:
-            ex.span.routed(data["model"])
+            ex.span.routed(alias)
         body = _upstream_body(data)
         limits = tenant.limits
         held = self._hold(body.size)
@@ -574,7 +589,9 @@ class Gateway:
         t_queue = time.monotonic()
         qspan = ex.span.queue(pool.name) if ex.span is not None else None
         try:
-            idx, ex.waited_as = await pool.acquire(ticket, priority, tenant, excluded)
+            key = ex.affinity_key if pool.affine else 0
+            idx, ex.waited_as, placed = await pool.acquire(ticket, priority, tenant, excluded, key)
+            ex.affinity = placed.label
         except QueueFull as exc:
             raise with_retry_after(
                 QueueFull(f"Pool {pool.name!r} is saturated and its queue is full; retry later."),

@@ -25,6 +25,8 @@ class Tenant:
     models: frozenset[str] | None
     limits: KeyLimits | None
     secret: bytes = b""
+    # SPEC §15 tier routes: alias asked → alias served (e.g. a free tier's judge → judge-lite).
+    routes: Mapping[str, str] | None = None
 
 
 ANONYMOUS = Tenant("anonymous", 0, None, None, None)
@@ -69,7 +71,17 @@ class KeyRing:
                 else:
                     limits = KeyLimits(key.rpm, key.tpm)
             models = frozenset(key.models) if key.models is not None else None
-            self.tenants.append(Tenant(key.name, index, prio, models, limits, key.key.encode()))
+            self.tenants.append(
+                Tenant(
+                    key.name,
+                    index,
+                    prio,
+                    models,
+                    limits,
+                    key.key.encode(),
+                    dict(key.routes) if key.routes else None,
+                )
+            )
 
     def authenticate(self, headers: Mapping[str, str]) -> Tenant:
         if not self.enabled:

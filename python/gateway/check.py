@@ -45,7 +45,12 @@ def _policy(c: Config) -> list[str]:
         f"            max_consecutive_high={s.max_consecutive_high} "
         f"max_low_wait_ms={s.max_low_wait_ms} "
         f"overflow_high_to_low={_ON_OFF[s.overflow_high_to_low]}",
-        f"balancer    {c.balancer}",
+        f"balancer    {c.balancer}"
+        + (
+            f"  affinity(prefix_chars={c.affinity.prefix_chars} epsilon={c.affinity.epsilon})"
+            if c.uses_affinity()
+            else ""
+        ),
         f"health      failure_threshold={h.failure_threshold} "
         f"ejection_ms={h.ejection_ms}..{h.max_ejection_ms} "
         f"half_open_max_requests={h.half_open_max_requests} "
@@ -71,7 +76,18 @@ def _auth(c: Config) -> list[str]:
         extra += [f"tpm={k.tpm}"] if k.tpm is not None else []
         extra += [f"models={','.join(k.models)}"] if k.models is not None else []
         lines.append(f"              {k.name}: key: set  {' '.join(extra)}")
+        # SPEC §15 tier routes: the alias asked → the alias served, and where that goes.
+        for asked, served in (k.routes or {}).items():
+            lines.append(f"                route {asked} → {served}  ({_target(c, served)})")
     return lines
+
+
+def _target(c: Config, alias: str) -> str:
+    """Where an alias goes: `pool NAME` or `auto`."""
+    spec = c.models.get(alias)
+    if spec is None:
+        return "?"
+    return "auto" if spec.route == "auto" else f"pool {spec.pool}"
 
 
 def _models(c: Config) -> list[str]:

@@ -36,6 +36,10 @@ class Exchange:
     ttfb: float | None = None
     limit_headers: dict[str, str] | None = None
     spilled_from: str | None = None
+    # SPEC §15: the request's affinity key (0: none) and where its attempt landed relative to
+    # it — `hit`, `spill` or `none` (`X-Gateway-Affinity`).
+    affinity_key: int = 0
+    affinity: str = "none"
     # Why the current attempt failed after the response started (for /admin/state).
     attempt_error: str | None = None
     # Who asked: "http" (a client), or "batch" (a Batch API line run by the gateway itself).
@@ -67,6 +71,7 @@ class Exchange:
         if self.instance is not None:
             h["X-Gateway-Instance"] = self.instance
             h["X-Gateway-Queue-Ms"] = f"{self.queue_ms:.1f}"
+            h["X-Gateway-Affinity"] = self.affinity
         if self.spilled_from is not None:
             h["X-Gateway-Spilled-From"] = self.spilled_from
         if self.limit_headers:

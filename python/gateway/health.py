@@ -7,6 +7,10 @@ prober that died would keep every ejected instance out for good. Each probe's ow
 (whatever it raises) is that probe's failed result; a round that breaks is logged and the
 next round runs on time. The task runs whether probing is on or off, so a reload that turns
 probes on takes effect at the next interval.
+
+SPEC §15 "Backend load": at the same interval (probes on or off) the prober also reads each
+`provider: vllm` instance's `/metrics` and hands its queue and KV-cache usage to the pool
+(gateway.backend_load).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 
+from gateway import backend_load
 from gateway.events import ProbeFinished
 from gateway.runtime import Runtime
 
@@ -37,16 +42,43 @@ class Prober:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="prober")
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        loads_at = float("-inf")
         while True:
             probe = self.runtime.config.health.probe
+            interval = probe.interval_ms / 1000
+            if loop.time() - loads_at >= interval:
+                loads_at = loop.time()
+                try:
+                    await self.read_backend_loads()
+                except Exception:
+                    log.exception("backend load round failed")
             if not probe.enabled:
-                await asyncio.sleep(_IDLE_CHECK_S)
+                await asyncio.sleep(min(_IDLE_CHECK_S, interval))
                 continue
             try:
                 await self.probe_all()
             except Exception:
                 log.exception("probe round failed")
-            await asyncio.sleep(probe.interval_ms / 1000)
+            await asyncio.sleep(interval)
+
+    async def read_backend_loads(self) -> None:
+        """SPEC §15: every vLLM instance's own queue and KV-cache usage, read at once, each
+        bounded by the probe timeout; an unreadable one has its reading cleared."""
+        timeout_s = self.runtime.config.health.probe.timeout_ms / 1000
+        jobs = [
+            (pool, idx, up)
+            for pool in self.runtime.pools.values()
+            for idx, up in pool.live_upstreams()
+            if up.provider == "vllm"
+        ]
+        if not jobs:
+            return
+        readings = await asyncio.gather(
+            *(backend_load.read(up, timeout_s) for _, _, up in jobs), return_exceptions=True
+        )
+        for (pool, idx, up), load in zip(jobs, readings, strict=True):
+            pool.set_backend_load(idx, up, None if isinstance(load, BaseException) else load)
 
     async def probe_all(self) -> None:
         """One round: every instance at once, each bounded by the probe timeout."""

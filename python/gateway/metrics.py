@@ -18,7 +18,7 @@ exemplar storage is on). The classic text format has no exemplars and stays the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -143,6 +143,21 @@ class _CoreCollector(Collector):
         yield from (depth, in_flight, capacity, state, ejections, grants, forced)
 
 
+class _BatchCollector(Collector):
+    """SPEC §14: batches per status, read at scrape time from the Batch API's counts."""
+
+    def __init__(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Any]:
+        gauge = GaugeMetricFamily(
+            "gateway_batches", "Batch API batches per status", labels=["status"]
+        )
+        for status, n in self._counts().items():
+            gauge.add_metric([status], n)
+        yield gauge
+
+
 class Metrics:
     """The gateway's metrics in their own registry (one per gateway, so tests can run many)."""
 
@@ -207,8 +222,22 @@ class Metrics:
         self.last_reload_time.set_to_current_time()
         build = Gauge("gateway_build_info", "Build information", ["version"], registry=r)
         build.labels(__version__).set(1)
+        # SPEC §14: Batch API lines finished (output or error file) and line-level retries.
+        self.batch_lines = Counter(
+            "gateway_batch_lines",
+            "Batch API lines finished, per result (completed: 2xx; failed: in the error file)",
+            ["result"],
+            registry=r,
+        )
+        self.batch_retries = Counter(
+            "gateway_batch_line_retries",
+            "Batch API line retries after a 408, 429 or 5xx answer (with backoff)",
+            registry=r,
+        )
         for reason in REASONS:  # present from the start, so rates work from zero
             self.rejections.labels(reason)
+        for result in ("completed", "failed"):
+            self.batch_lines.labels(result)
         r.register(_CoreCollector(runtime))
         self._children: dict[tuple[Any, ...], Any] = {}
 
@@ -263,6 +292,16 @@ class Metrics:
             n = usage.get(f"{kind}_tokens")
             if isinstance(n, int) and n > 0:
                 self._child(self.tokens, pool, instance, kind).inc(n)
+
+    def watch_batches(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        """Exposes `gateway_batches{status}` from `counts()` (read at scrape time)."""
+        self.registry.register(_BatchCollector(counts))
+
+    def batch_line_done(self, ok: bool) -> None:
+        self._child(self.batch_lines, "completed" if ok else "failed").inc()
+
+    def batch_line_retry(self) -> None:
+        self.batch_retries.inc()
 
     def reloaded(self, ok: bool) -> None:
         self.reloads.labels("success" if ok else "failure").inc()

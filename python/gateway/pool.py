@@ -13,13 +13,17 @@ and the prober rely on.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway import _core
-from gateway._core import InstanceState, Outcome, Priority
+from gateway._core import Affinity, InstanceState, Outcome, Priority
+from gateway.affinity import stable_id
+from gateway.backend_load import BackendLoad
+from gateway.cluster.local import LocalLeases
 from gateway.config import Config, PoolSpec
 from gateway.errors import GatewayError
 from gateway.events import Events, InstanceChanged
@@ -36,6 +40,7 @@ _BALANCERS = {
     "round_robin": _core.Balancer.ROUND_ROBIN,
     "random": _core.Balancer.RANDOM,
     "p2c": _core.Balancer.P2C,
+    "affinity": _core.Balancer.AFFINITY,
 }
 
 
@@ -54,6 +59,7 @@ def core_config(config: Config, pool: PoolSpec) -> _core.PoolConfig:
         max_low_wait_ms=s.max_low_wait_ms,
         overflow_high_to_low=s.overflow_high_to_low,
         balancer=_BALANCERS[pool.balancer or config.balancer],
+        affinity_epsilon=config.affinity.epsilon,
         failure_threshold=h.failure_threshold,
         ejection_ms=h.ejection_ms,
         max_ejection_ms=h.max_ejection_ms,
@@ -82,6 +88,11 @@ class InstanceSnapshot:
     removed: bool
     # The latest failed attempt: (unix time, our own reason text).
     last_error: tuple[float, str] | None
+    # SPEC §15: what a vLLM backend last reported of its own load (None: not read).
+    backend: BackendLoad | None = None
+    # SPEC §13: the slots of it this replica holds (None: cluster mode off). In cluster mode
+    # `max_concurrency` stays the configured capacity; the core's cap is this lease.
+    lease: int | None = None
 
     @property
     def usable(self) -> bool:
@@ -112,6 +123,14 @@ class PoolSnapshot:
     fallback: str | None
     # The instances of the config, and removed ones still finishing attempts.
     instances: tuple[InstanceSnapshot, ...]
+    # SPEC §15: the pool's balancer, and its affinity grants to a key's first choice / later.
+    balancer: str = "least_connections"
+    affinity_hits: int = 0
+    affinity_spills: int = 0
+    # SPEC §13 (cluster mode): requests waiting for a lease (every instance they may use is
+    # unleased), and whether the replica fenced itself (its lease could not be renewed).
+    lease_waiting: int = 0
+    lease_fenced: bool = False
 
     @property
     def ready(self) -> bool:
@@ -134,23 +153,48 @@ class Pool:
         self._events = events
         self._core = _core.Pool(core_config(config, spec), seed=config.seed)
         self._scheduler = PoolScheduler(name, self._core, self._on_transition)
+        #: SPEC §15: requests carry an affinity key here (`balancer: affinity`).
+        self.balancer = spec.balancer or config.balancer
+        self.affine = self.balancer == "affinity"
         # The core's instance i is _upstreams[i]; removed ones stay until their slot is reused.
         self._upstreams: list[Upstream] = []
         # Upstreams replaced in a reused slot, closed by `collect`.
         self._replaced: list[Upstream] = []
         # The latest failed attempt per upstream (not per slot: a reused slot starts clean).
         self._last_errors: dict[Upstream, tuple[float, str]] = {}
+        # SPEC §15: the latest backend load reading per upstream (vLLM instances).
+        self._backend: dict[Upstream, BackendLoad] = {}
         for inst in spec.instances:
-            self._core.add_instance(inst.max_concurrency)
+            self._core.add_instance(inst.max_concurrency, stable_id(inst.name))
             self._upstreams.append(Upstream(inst, config.timeouts))
+        # SPEC §13: this replica's leased share of each instance (None: cluster mode off).
+        # Nothing is leased until the cluster sync's first answer.
+        self._leases: LocalLeases | None = None
+        if config.cluster is not None:
+            self._leases = LocalLeases(
+                self._core,
+                self._scheduler.fail_all_waiting,
+                lambda i: self._upstreams[i].spec.max_concurrency,
+                config.cluster.lease_ms,
+            )
+            self._leases.reapply()
 
     # ---- the request path ----------------------------------------------------------------
 
     async def acquire(
-        self, ticket: int, priority: Priority, tenant: int = 0, excluded: int = 0
-    ) -> tuple[int, Priority]:
-        """Waits for a slot: (instance index, the class it waited in). See `PoolScheduler`."""
-        return await self._scheduler.acquire(ticket, priority, tenant, excluded)
+        self,
+        ticket: int,
+        priority: Priority,
+        tenant: int = 0,
+        excluded: int = 0,
+        affinity_key: int = 0,
+    ) -> tuple[int, Priority, Affinity]:
+        """Waits for a slot: (instance index, the class it waited in, where it landed relative
+        to its affinity key). See `PoolScheduler`."""
+        if self._leases is not None:
+            # SPEC §13: only instances this replica holds a lease of (a local mask, no Redis).
+            excluded = await self._leases.admit(excluded)
+        return await self._scheduler.acquire(ticket, priority, tenant, excluded, affinity_key)
 
     def upstream(self, index: int) -> Upstream:
         return self._upstreams[index]
@@ -159,8 +203,14 @@ class Pool:
         """An attempt ended: its slot goes back. This never raises (it runs in `finally`
         blocks, and a slot that is not given back is lost until a restart)."""
         try:
+            if self._leases is not None:
+                self._leases.guard()  # SPEC §13 self-fencing before the slot is re-granted
             self._scheduler.release(ticket, outcome, retry_after_ms)
-        except Exception:
+        except (KeyboardInterrupt, SystemExit, asyncio.CancelledError):
+            raise
+        except BaseException:
+            # BaseException: a panic in the core surfaces as pyo3's PanicException, which is
+            # not an Exception; it must not take the rest of the `finally` with it either.
             log.exception("releasing a slot failed", extra={"fields": {"pool": self.name}})
 
     def note_error(self, index: int, reason: str) -> None:
@@ -168,7 +218,21 @@ class Pool:
         self._last_errors[self._upstreams[index]] = (time.time(), reason)
 
     def record_probe(self, index: int, ok: bool) -> None:
+        if self._leases is not None:
+            self._leases.guard()
         self._scheduler.record_probe(index, ok)
+
+    def set_backend_load(self, index: int, upstream: Upstream, load: BackendLoad | None) -> None:
+        """SPEC §15: a reading of instance `index`'s own load (None: unreadable, so cleared).
+        Ignored when a reload gave the index to another upstream meanwhile."""
+        if index >= len(self._upstreams) or self._upstreams[index] is not upstream:
+            return
+        if load is None:
+            if self._backend.pop(upstream, None) is not None:
+                self._core.set_backend_load(index, 0, 0.0)
+            return
+        self._backend[upstream] = load
+        self._core.set_backend_load(index, load.waiting, load.gpu_cache_usage)
 
     def can_take_now(self) -> bool:
         """Whether a request would be dispatched at once (a free slot, nobody waiting)."""
@@ -183,7 +247,23 @@ class Pool:
         return self._scheduler.fail_all_waiting(make)
 
     def tick(self) -> None:
+        if self._leases is not None:
+            self._leases.guard()
         self._scheduler.tick()
+
+    # ---- SPEC §13 cluster leases: the cluster sync's door ---------------------------------
+
+    def apply_leases(self, slots: dict[int, int], expiry_ms: int | None) -> None:
+        """This replica's share per instance index: a fresh lease valid until `expiry_ms`
+        (monotonic ms; the replica fences itself then unless renewed), or with
+        `expiry_ms=None` a static share that does not expire (Redis unreachable)."""
+        if self._leases is None:
+            raise RuntimeError(f"pool {self.name}: cluster mode is off")
+        if expiry_ms is None:
+            self._leases.set_static(slots)
+        else:
+            self._leases.apply(slots, expiry_ms)
+        self.tick()  # capacity that came with the lease serves the queue at once
 
     # ---- what people and the prober see ---------------------------------------------------
 
@@ -195,6 +275,8 @@ class Pool:
 
     def snapshot(self, now: int | None = None) -> PoolSnapshot:
         now = now_ms() if now is None else now
+        if self._leases is not None:
+            self._leases.guard()  # SPEC §13: an expired lease reads as fenced, never as held
         core = self._core
         stats = core.stats()
         instances = []
@@ -203,6 +285,7 @@ class Pool:
             if info.removed and info.in_flight == 0:
                 continue  # removed by a reload and drained: gone
             state = _display_state(info, now)
+            leases = self._leases
             instances.append(
                 InstanceSnapshot(
                     index=i,
@@ -210,7 +293,9 @@ class Pool:
                     state=state,
                     circuit=info.state,
                     in_flight=info.in_flight,
-                    max_concurrency=info.max_concurrency,
+                    max_concurrency=(
+                        info.max_concurrency if leases is None else up.spec.max_concurrency
+                    ),
                     consecutive_failures=info.consecutive_failures,
                     ejected_until_ms=info.ejected_until_ms,
                     cooling_until_ms=info.cool_until_ms if state == "cooling" else None,
@@ -218,6 +303,8 @@ class Pool:
                     ejections=info.ejections,
                     removed=info.removed,
                     last_error=self._last_errors.get(up),
+                    backend=self._backend.get(up),
+                    lease=None if leases is None else leases.lease(i),
                 )
             )
         return PoolSnapshot(
@@ -239,6 +326,11 @@ class Pool:
             drain_rate_per_s=core.drain_rate(now),
             fallback=self.spec.fallback,
             instances=tuple(instances),
+            balancer=self.balancer,
+            affinity_hits=stats.affinity_hits,
+            affinity_spills=stats.affinity_spills,
+            lease_waiting=0 if self._leases is None else self._leases.waiting,
+            lease_fenced=self._leases is not None and self._leases.fenced,
         )
 
     def _on_transition(self, index: int, state: InstanceState) -> None:
@@ -269,6 +361,8 @@ class Pool:
         drain; new ones join."""
         self._core.configure(core_config(config, spec))
         self.spec = spec
+        self.balancer = spec.balancer or config.balancer
+        self.affine = self.balancer == "affinity"
         wanted = {inst.name: inst for inst in spec.instances}
         kept: set[str] = set()
         for idx, up in self.live_upstreams():
@@ -282,7 +376,9 @@ class Pool:
         for name, inst in wanted.items():
             if name in kept:
                 continue
-            idx = self._core.add_instance(inst.max_concurrency)
+            idx = self._core.add_instance(inst.max_concurrency, stable_id(inst.name))
+            if self._leases is not None:
+                self._leases.forget(idx)  # a reused slot: its old lease was another's
             fresh = Upstream(inst, config.timeouts)
             if idx < len(self._upstreams):
                 # A drained, removed slot is reused; its old connections are closed later.
@@ -290,6 +386,9 @@ class Pool:
                 self._upstreams[idx] = fresh
             else:
                 self._upstreams.append(fresh)
+        if self._leases is not None:
+            # SPEC §13: a configured capacity is never a cap here; new instances wait for a lease.
+            self._leases.reapply()
         self.tick()  # new capacity serves the queue at once
 
     def retire(self) -> None:
@@ -307,6 +406,7 @@ class Pool:
         """Closes the connection pools of removed instances once they drained."""
         for up in self._replaced:
             self._last_errors.pop(up, None)
+            self._backend.pop(up, None)
             await up.close()
         self._replaced.clear()
         now = now_ms()

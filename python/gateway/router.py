@@ -51,6 +51,9 @@ class Router:
         if cx.complex:
             self._pool_complexity.setdefault(cx.complex, "complex")
         self.classifier = ComplexityClassifier.from_config(config)
+        #: SPEC §15: how much of a prompt an affinity key covers; 0 when no pool uses affinity
+        #: (requests then carry no key and nothing is hashed).
+        self.affinity_prefix_chars = config.affinity.prefix_chars if config.uses_affinity() else 0
 
     def aliases(self) -> list[str]:
         return sorted(self.config.models)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from gateway import _core
-from gateway._core import EventKind, InstanceState, Outcome, Priority
+from gateway._core import Affinity, EventKind, InstanceState, Outcome, Priority
 from gateway.errors import DEFAULT_RETRY_AFTER_MS, GatewayError, NoHealthyInstance, QueueTimeout
 
 __all__ = ["PoolScheduler", "Unservable", "now_ms"]
@@ -48,14 +48,20 @@ class PoolScheduler:
         self.core = core
         # Told of every instance state change (ejected, half-open, restored), for the logs.
         self.on_transition = on_transition
-        self._waiters: dict[int, tuple[asyncio.Future[int], Priority]] = {}
+        self._waiters: dict[int, tuple[asyncio.Future[tuple[int, Affinity]], Priority]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: int | None = None
 
     async def acquire(
-        self, ticket: int, priority: Priority, tenant: int = 0, excluded: int = 0
-    ) -> tuple[int, Priority]:
-        """Waits for a slot; returns the granted instance index and the class it waited in.
+        self,
+        ticket: int,
+        priority: Priority,
+        tenant: int = 0,
+        excluded: int = 0,
+        affinity_key: int = 0,
+    ) -> tuple[int, Priority, Affinity]:
+        """Waits for a slot; returns the granted instance index, the class it waited in and
+        where it landed relative to its affinity key (SPEC §15; `NONE` without a key).
 
         Raises `QueueFull`, `NoHealthyInstance` (nothing up: try the fallback), `Unservable`
         (evicted while waiting, a `NoHealthyInstance`) or `QueueTimeout`. If the caller is
@@ -63,22 +69,23 @@ class PoolScheduler:
         the cancellation, its slot is released).
         """
         core = self.core
-        granted = core.submit(ticket, priority, now_ms(), tenant, excluded)
+        granted = core.submit(ticket, priority, now_ms(), tenant, excluded, affinity_key)
         if core.has_transitions:
             self._transitions()
         if granted is not None:
-            return granted, priority
+            return granted, priority, core.last_affinity() if affinity_key else Affinity.NONE
         # SPEC §3 "Overflow": a high request may wait as low.
         waited_as = core.waiting_class(ticket) or priority
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[tuple[int, Affinity]] = asyncio.get_running_loop().create_future()
         self._waiters[ticket] = (fut, waited_as)
         self.deliver(core.take_events())
         self._arm()
         try:
-            return await fut, waited_as
+            instance, placed = await fut
         except asyncio.CancelledError:
             self._abandon(ticket)
             raise
+        return instance, waited_as, placed
 
     def _abandon(self, ticket: int) -> None:
         """The waiter went away: take it out of the queue, or give back a slot it was granted."""
@@ -126,7 +133,7 @@ class PoolScheduler:
                     # slot must never leak): hand the slot straight back.
                     self.deliver(self.core.release(ticket, Outcome.NEUTRAL, now_ms()))
                 else:
-                    fut.set_result(event.instance)
+                    fut.set_result((event.instance, event.affinity))
             elif waiter is not None and fut is not None and not fut.done():
                 if event.kind is EventKind.EXPIRED:
                     fut.set_exception(

@@ -22,12 +22,16 @@ import logging
 import os
 import signal
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from gateway.app import Gateway
 from gateway.config import Config
 from gateway.health import Prober
+
+if TYPE_CHECKING:
+    from gateway.cluster.node import ClusterNode
 
 __all__ = ["Server"]
 
@@ -56,6 +60,14 @@ class Server:
         self.watch = watch
         self.backlog = backlog
         self.prober = Prober(self.gateway.runtime)
+        # SPEC §13 cluster mode; the module (and Redis's client) is imported only when the
+        # config has a `cluster:` section.
+        self.cluster: ClusterNode | None = None
+        if config.cluster is not None:
+            from gateway.cluster.node import ClusterNode
+
+            self.cluster = ClusterNode(self.gateway, config.cluster)
+            self.gateway.admin.cluster = self.cluster
         self._runner: web.ServerRunner | None = None
         self._site: web.TCPSite | None = None
         self._tasks: set[asyncio.Task[object]] = set()
@@ -68,6 +80,9 @@ class Server:
 
     async def start(self) -> None:
         """Listens and starts the background work; returns once requests are served."""
+        if self.cluster is not None:
+            # SPEC §13: a first lease before the first request (pools admit nothing without).
+            await self.cluster.start()
         runner = web.ServerRunner(self.gateway.server(), handle_signals=False, shutdown_timeout=1.0)
         await runner.setup()
         self._runner = runner
@@ -77,7 +92,11 @@ class Server:
         if runner.addresses:
             self.port = int(runner.addresses[0][1])
         self.prober.start()
+        # SPEC §14: unfinished batches resume (the store opens later if it does not exist yet).
+        await self.gateway.batch.start()
         self._spawn(self._janitor(), "janitor")
+        if self.cluster is not None:
+            self._spawn(self.cluster.run(), "cluster")
         if self.watch and self.gateway.config_path is not None:
             self._spawn(self._watch(self.gateway.config_path), "watcher")
 
@@ -120,13 +139,20 @@ class Server:
         if drain and self._site is not None:
             drain_ms = self.gateway.runtime.config.shutdown.drain_timeout_ms
             log.info("draining", extra={"fields": {"deadline_ms": drain_ms}})
-            await self.gateway.drain(self._site)
+            # Batch lines already running get the same deadline; no new line starts.
+            await asyncio.gather(
+                self.gateway.drain(self._site), self.gateway.batch.drain(drain_ms / 1000)
+            )
+        # Batch results in hand are committed; unfinished lines run after the next start.
+        await self.gateway.batch.stop()
         await self.prober.stop()
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self.cluster is not None:
+            await self.cluster.close()  # gives the leases back at once (SPEC §13)
         if self._runner is not None:
             await self._runner.cleanup()
         await self.gateway.close()

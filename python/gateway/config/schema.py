@@ -6,6 +6,8 @@ frozen. Their `repr()` masks every field typed `Secret` (see `secret.py`).
 
 from __future__ import annotations
 
+import os
+import socket
 import types
 import typing
 from collections.abc import Iterator, Mapping
@@ -22,11 +24,14 @@ __all__ = [
     "DEFAULT_SIMPLE_KEYWORDS",
     "PRIORITIES",
     "PRIORITY_ALIASES",
+    "Affinity",
     "ApiKey",
     "Auth",
     "BalancerName",
+    "Batch",
     "ClassSettings",
     "Classifier",
+    "Cluster",
     "ComplexityName",
     "ComplexityRouting",
     "Config",
@@ -72,7 +77,7 @@ NonNegativeMs: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=_MS_MAX)]
 
 PriorityName: TypeAlias = Literal["high", "low"]
 PolicyName: TypeAlias = Literal["weighted", "strict"]
-BalancerName: TypeAlias = Literal["least_connections", "round_robin", "random", "p2c"]
+BalancerName: TypeAlias = Literal["least_connections", "round_robin", "random", "p2c", "affinity"]
 ProviderName: TypeAlias = Literal["openai", "vllm", "dashscope", "qianfan"]
 ComplexityName: TypeAlias = Literal["simple", "complex"]
 
@@ -294,7 +299,10 @@ class Routing(_Section, frozen=True, kw_only=True):
 
 
 class ApiKey(_Section, frozen=True, kw_only=True):
-    """A client key, with its default priority, rate limits and allowed aliases."""
+    """A client key, with its default priority, rate limits and allowed aliases.
+
+    `routes` (SPEC §15 tier routes) maps an alias the client asks for to the alias this key
+    is served as, e.g. a free tier's `{judge: judge-lite}`; applied once, before routing."""
 
     key: Secret
     name: str
@@ -302,6 +310,7 @@ class ApiKey(_Section, frozen=True, kw_only=True):
     rpm: PositiveInt | None = None
     tpm: PositiveInt | None = None
     models: list[str] | None = None
+    routes: dict[str, str] | None = None
 
 
 class Auth(_Section, frozen=True, kw_only=True):
@@ -309,6 +318,16 @@ class Auth(_Section, frozen=True, kw_only=True):
 
     keys: list[ApiKey]
     admin_key: Secret | None = None
+
+
+class Affinity(_Section, frozen=True, kw_only=True):
+    """Prefix affinity (SPEC §15), for pools with `balancer: affinity`: the key is a hash of
+    the first `prefix_chars` characters of the rendered messages (or the session); an instance
+    takes an affine request only while its load is at most `(1 + epsilon)` times the pool's
+    average."""
+
+    prefix_chars: Annotated[int, msgspec.Meta(ge=1, le=1_048_576)] = 2048
+    epsilon: Annotated[float, msgspec.Meta(ge=0.01, le=100.0)] = 0.25
 
 
 class Limits(_Section, frozen=True, kw_only=True):
@@ -341,6 +360,37 @@ class Telemetry(_Section, frozen=True, kw_only=True):
     sample_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 1.0
 
 
+class Batch(_Section, frozen=True, kw_only=True):
+    """The Batch API (SPEC §14): where files and batch progress live (SQLite in WAL mode; file
+    bytes in the directory `<store>.files/` beside it), and its bounds. `store` is read once,
+    when the Batch API is first used: changing it needs a restart."""
+
+    store: str = "./gateway-batches.db"
+    max_file_bytes: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)] = 209_715_200
+    max_lines: PositiveInt = 50_000
+    # Lines of one batch queued or in flight at once (SPEC §14 "fed into the low queue
+    # gradually").
+    in_flight_per_batch: PositiveInt = 64
+
+
+def default_replica_id() -> str:
+    """SPEC §13 `replica_id` default: "host name + pid"."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class Cluster(_Section, frozen=True, kw_only=True):
+    """SPEC §13 "Several hosts": replicas share leases, limits and ejection hints through
+    Redis; absent = a single node, and nothing of `gateway.cluster` (or Redis) is imported.
+
+    `redis_url` is a `Secret`: a URL may carry a password (`redis://:pw@host:6379/0`)."""
+
+    redis_url: Secret
+    replica_id: str = msgspec.field(default_factory=default_replica_id)
+    # "a dead replica's share returns within this"
+    lease_ms: PositiveMs = 2000
+    renew_ms: PositiveMs = 200
+
+
 class Config(_Section, frozen=True, kw_only=True):
     """The whole configuration. Build it with `load_config` / `parse_config` (they validate)."""
 
@@ -349,6 +399,7 @@ class Config(_Section, frozen=True, kw_only=True):
     default_priority: PriorityName = "high"
     scheduler: Scheduler = msgspec.field(default_factory=Scheduler)
     balancer: BalancerName = "least_connections"
+    affinity: Affinity = msgspec.field(default_factory=Affinity)
     health: Health = msgspec.field(default_factory=Health)
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
     retries: Retries = msgspec.field(default_factory=Retries)
@@ -359,11 +410,18 @@ class Config(_Section, frozen=True, kw_only=True):
     limits: Limits = msgspec.field(default_factory=Limits)
     shutdown: Shutdown = msgspec.field(default_factory=Shutdown)
     telemetry: Telemetry = msgspec.field(default_factory=Telemetry)
+    batch: Batch = msgspec.field(default_factory=Batch)
+    # SPEC §13: absent = off (one node, no Redis).
+    cluster: Cluster | None = None
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
 
     def pool_balancer(self, pool: str) -> BalancerName:
         """The balancer `pool` uses: its own override, else the top-level one."""
         return self.pools[pool].balancer or self.balancer
+
+    def uses_affinity(self) -> bool:
+        """Whether any pool balances by affinity (requests then carry a key, SPEC §15)."""
+        return any(self.pool_balancer(name) == "affinity" for name in self.pools)
 
     def instances(self) -> Iterator[tuple[str, InstanceSpec]]:
         """Every instance with its pool's name, in config order."""

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from gateway._core import MAX_INSTANCES
-from gateway.config.schema import Auth, Config, InstanceSpec, PoolSpec, TlsSpec
+from gateway.config.schema import Auth, Cluster, Config, InstanceSpec, PoolSpec, TlsSpec
 from gateway.errors import ConfigError
 
 __all__ = ["validate"]
@@ -53,6 +53,8 @@ def validate(cfg: Config) -> Config:
     _check_routing(cfg)
     if cfg.auth is not None:
         _check_auth(cfg.auth, cfg)
+    if cfg.cluster is not None:
+        _check_cluster(cfg.cluster)
     return cfg
 
 
@@ -81,6 +83,16 @@ def _check_sections(cfg: Config) -> None:
             raise ConfigError(
                 f"timeouts.{name}", f"must not exceed timeouts.total_ms ({t.total_ms})"
             )
+    _check_batch(cfg)
+
+
+def _check_batch(cfg: Config) -> None:
+    """SPEC §14 `batch.store`: a usable file path (the file is created on first use)."""
+    store = cfg.batch.store
+    if not store.strip() or _has_bad_chars(store):
+        raise ConfigError("batch.store", "must be a file path (non-empty, no control characters)")
+    if store.endswith(("/", os.sep)):
+        raise ConfigError("batch.store", "must name a file, not a directory")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,8 +306,19 @@ def _check_auth(auth: Auth, cfg: Config) -> None:
         for j, alias in enumerate(entry.models or ()):
             if alias not in cfg.models:
                 raise ConfigError(f"{path}.models[{j}]", _unknown("model alias", alias, cfg.models))
+        _check_routes(f"{path}.routes", entry.routes or {}, cfg)
     if auth.admin_key is not None:
         _check_admin_key(auth.admin_key, keys)
+
+
+def _check_routes(path: str, routes: Mapping[str, str], cfg: Config) -> None:
+    """SPEC §15 tier routes: an alias the client asks for → the alias it is served as; both
+    must exist (a route is applied once, so chains are not followed)."""
+    for asked, served in routes.items():
+        if asked not in cfg.models:
+            raise ConfigError(f"{path}.{asked}", _unknown("model alias", asked, cfg.models))
+        if served not in cfg.models:
+            raise ConfigError(f"{path}.{asked}", _unknown("model alias", served, cfg.models))
 
 
 def _check_admin_key(admin_key: str, client_keys: Mapping[str, int]) -> None:
@@ -308,6 +331,26 @@ def _check_admin_key(admin_key: str, client_keys: Mapping[str, int]) -> None:
         raise ConfigError(
             "auth.admin_key",
             f"must differ from every client key (equals auth.keys[{client_keys[admin_key]}])",
+        )
+
+
+def _check_cluster(cluster: Cluster) -> None:
+    """SPEC §13 `cluster:`. The reason never quotes `redis_url` (it may hold a password)."""
+    if _has_bad_chars(cluster.redis_url) or " " in cluster.redis_url:
+        raise ConfigError("cluster.redis_url", "must not contain spaces or control characters")
+    try:
+        parts = urlsplit(cluster.redis_url)
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        raise ConfigError("cluster.redis_url", "not a valid URL (bad host or port)") from None
+    if parts.scheme.lower() not in ("redis", "rediss", "unix"):
+        raise ConfigError("cluster.redis_url", "must be a redis://, rediss:// or unix:// URL")
+    # The replica id names this replica in Redis keys, /admin/state and metric labels.
+    _check_name("cluster.replica_id", cluster.replica_id, "replica id")
+    if cluster.renew_ms * 3 > cluster.lease_ms:
+        # A replica self-fences at 3/4 of the lease: it needs a few renewals before that.
+        raise ConfigError(
+            "cluster.renew_ms", f"must be at most a third of cluster.lease_ms ({cluster.lease_ms})"
         )
 
 

@@ -10,7 +10,10 @@ Everything runs in this process, on one event loop:
    do not): a backlog of batch re-judging queued at the start, a Poisson stream of realtime
    and batch requests, simple ("does this compile?") and complex ("worst-case time
    complexity?") prompts in English and Chinese, and an exam-deadline surge of realtime;
-4. a scripted failure: one heavy instance crashes mid-run and comes back later.
+4. a scripted failure: one heavy instance crashes mid-run and comes back later;
+5. the overnight re-judging as a real batch (SPEC §14): a JSONL file uploaded with
+   `POST /v1/files` and run with `POST /v1/batches` beside the backlog, its progress polled
+   with `GET /v1/batches/{id}` like any Batch API client would.
 
 While it runs, one progress line; the gateway's state is sampled every 200 ms (what
 `GET /admin/state` serves). At the end: a plain-text summary and a self-contained HTML report
@@ -31,6 +34,7 @@ import random
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -44,7 +48,7 @@ import orjson
 
 from gateway import __version__
 from gateway.app import Gateway
-from gateway.config import parse_config
+from gateway.config import Batch, parse_config
 from gateway.events import Events, GatewayEvent, ProbeFinished, RequestFinished
 from gateway.server import Server
 from gateway.sim.mock import MockBehavior, MockServer
@@ -94,7 +98,13 @@ LIGHT_BEHAVIOR: Final = {
     "latency_dist": "lognormal",
     "latency_max_ms": 1500.0,
     "tokens_per_s": 150.0,
+    # vLLM's prefix caching (SPEC §15): a cached prompt skips its prefill.
+    "prefix_cache": 6,
+    "prefill_us_per_char": 100.0,
 }
+# Pool light balances by prompt prefix (SPEC §15): the same judge question goes back to the
+# Qwen instance that holds it in its KV cache, within (1 + ε) of the average load.
+LIGHT_BALANCER: Final = "affinity"
 HEAVY_BEHAVIOR: Final = {
     "latency_ms": 600.0,
     "latency_dist": "pareto",  # heavy tail: most answers quick, a few very slow
@@ -124,6 +134,11 @@ BACKLOG_PER_RATE_SECOND: Final = 0.5  # backlog size = this × rate × duration
 # its 7 in 10 of light's slots for a while, so its queue grows and the split shows.
 SURGE_EXTRA: Final = 1.0
 DRAIN_LIMIT_S: Final = 40.0  # after the workload, wait at most this long for answers
+# The overnight re-judging submitted through the Batch API: lines = this × rate × duration.
+REJUDGE_PER_RATE_SECOND: Final = 0.3
+REJUDGE_POLL_S: Final = 0.5
+# After a stop, how long a cancelled re-judging batch may take to reach `cancelled`.
+REJUDGE_CANCEL_WAIT_S: Final = 3.0
 SAMPLE_EVERY_S: Final = 0.2
 
 # Prompts an online judge sends. The complex ones carry the keywords SPEC §4's classifier
@@ -163,6 +178,7 @@ COMPLEX_PROMPTS: Final = (
 )
 
 CLASS_NAME: Final = {"high": "realtime", "low": "batch"}
+CHAT: Final = "/v1/chat/completions"
 CLASS_COLOR: Final = {"high": "#0072B2", "low": "#E69F00", "forced": "#CC79A7"}
 STATE_COLOR: Final = {"healthy": "#009E73", "half_open": "#F0C419", "ejected": "#D55E00"}
 INSTANCE_COLOR: Final = {
@@ -216,9 +232,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--policy", choices=("weighted", "strict"), default=d.policy, help="scheduler.policy")
     a(
         "--balancer",
-        choices=("least_connections", "round_robin", "random", "p2c"),
+        choices=("least_connections", "round_robin", "random", "p2c", "affinity"),
         default=d.balancer,
-        help="the load balancer of both pools (default %(default)s)",
+        help=f"the load balancer of pool heavy (default %(default)s; pool light uses "
+        f"{LIGHT_BALANCER})",
     )
     a("--report", default=d.report, metavar="PATH", help="HTML report (default %(default)s)")
     a("--seed", type=int, default=d.seed, help="seeds arrivals, prompts and backends")
@@ -315,15 +332,42 @@ def _job(
     return Job(at, priority, complexity, alias, prompt, stream, max_tokens, origin)
 
 
+def plan_rejudge(options: Options) -> bytes:
+    """The overnight re-judging as a Batch API input file (JSONL): seeded like the rest,
+    `REJUDGE_PER_RATE_SECOND × rate × duration` historical submissions to judge again."""
+    rng = random.Random(options.seed * 7919 + 1)
+    n = max(1, round(REJUDGE_PER_RATE_SECOND * options.rate * options.duration))
+    out = []
+    for i in range(n):
+        job = _job(rng, 0.0, "low", "rejudge", BACKLOG_COMPLEX_SHARE)
+        body = {
+            "model": job.alias,
+            "messages": [{"role": "user", "content": job.prompt}],
+            "max_tokens": job.max_tokens,
+        }
+        line = {"custom_id": f"rejudge-{i:05d}", "method": "POST", "url": CHAT, "body": body}
+        out.append(orjson.dumps(line) + b"\n")
+    return b"".join(out)
+
+
 # ---- the configuration -----------------------------------------------------------------------
 
 
-def config_yaml(options: Options, light: Sequence[str], heavy: Sequence[str]) -> str:
-    """The gateway's config, as an operator would write it; `light`/`heavy` are base URLs."""
+def config_yaml(
+    options: Options,
+    light: Sequence[str],
+    heavy: Sequence[str],
+    batch_store: str | None = None,
+) -> str:
+    """The gateway's config, as an operator would write it; `light`/`heavy` are base URLs,
+    `batch_store` the Batch API's SQLite file (SPEC §14; the default path when None)."""
 
-    def instances(specs: Sequence[tuple[str, str]], urls: Sequence[str], slots: int) -> str:
+    def instances(
+        specs: Sequence[tuple[str, str]], urls: Sequence[str], slots: int, extra: str = ""
+    ) -> str:
         return "".join(
-            f'      - {{name: {name}, url: "{url}", model: {model}, max_concurrency: {slots}}}\n'
+            f'      - {{name: {name}, url: "{url}", model: {model}, max_concurrency: {slots}'
+            f"{extra}}}\n"
             for (name, model), url in zip(specs, urls, strict=True)
         )
 
@@ -351,8 +395,9 @@ def config_yaml(options: Options, light: Sequence[str], heavy: Sequence[str]) ->
         f"seed: {options.seed}\n"
         "pools:\n"
         "  light:\n"
+        f"    balancer: {LIGHT_BALANCER}   # prefix affinity: vLLM's prefix cache hits\n"
         "    instances:\n"
-        f"{instances(LIGHT, light, LIGHT_SLOTS)}"
+        f"{instances(LIGHT, light, LIGHT_SLOTS, ', provider: vllm')}"
         "  heavy:\n"
         "    fallback: light\n"
         "    instances:\n"
@@ -364,6 +409,7 @@ def config_yaml(options: Options, light: Sequence[str], heavy: Sequence[str]) ->
         "routing:\n"
         "  complexity: {simple: light, complex: heavy}\n"
         "  default_complexity: simple\n"
+        + (f"batch: {{store: {orjson.dumps(batch_store).decode()}}}\n" if batch_store else "")
     )
 
 
@@ -386,6 +432,7 @@ class Sample:
     waited_as: str | None = None
     decided: str | None = None  # X-Gateway-Complexity: "complex; rule"
     queue_ms: float | None = None
+    affinity: str | None = None  # X-Gateway-Affinity: hit, spill or none
 
     @property
     def e2e_ms(self) -> float | None:
@@ -395,6 +442,26 @@ class Sample:
     def service_ms(self) -> float | None:
         e2e = self.e2e_ms
         return None if e2e is None or self.queue_ms is None else max(e2e - self.queue_ms, 0.0)
+
+
+@dataclass(slots=True)
+class Rejudge:
+    """The overnight re-judging, one Batch API batch, as its client saw it (times are
+    seconds from the start)."""
+
+    lines: int
+    batch_id: str | None = None
+    status: str = "not submitted"
+    submitted: float | None = None
+    finished: float | None = None
+    progress: list[tuple[float, int, int]] = field(default_factory=list)  # t, done, failed
+    output_lines: int = 0
+    error_lines: int = 0
+    error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.status in ("completed", "failed", "cancelled", "expired") or bool(self.error)
 
 
 @dataclass(frozen=True, slots=True)
@@ -532,11 +599,14 @@ class DemoResult:
     snapshots: list[Snapshot] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     capture: LogCapture | None = None
+    rejudge: Rejudge | None = None
     stopped_early: bool = False
     end: float = 0.0  # seconds from the start when the last answer came
     wall_s: float = 0.0
     summary: str = ""
     report_path: Path | None = None
+    # Pool light's backends at the end: instance name → (prefix-cache hits, misses).
+    prefix_cache: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 # ---- running it ------------------------------------------------------------------------------
@@ -561,11 +631,16 @@ async def main(
     ]
     crashed = mocks[len(LIGHT) + [n for n, _ in HEAVY].index(CRASHED)]
     server: Server | None = None
+    # The Batch API's store lives as long as the run (SPEC §14; nothing left behind).
+    store_dir = tempfile.TemporaryDirectory(prefix="gateway-demo-")
     try:
         for m in mocks:
             await m.start()
         text = config_yaml(
-            options, [m.url for m in mocks[: len(LIGHT)]], [m.url for m in mocks[len(LIGHT) :]]
+            options,
+            [m.url for m in mocks[: len(LIGHT)]],
+            [m.url for m in mocks[len(LIGHT) :]],
+            batch_store=str(Path(store_dir.name) / "batches.db"),
         )
         config = parse_config(text, env={}, source="demo config")
         server = Server(config, host="127.0.0.1", port=0)
@@ -574,13 +649,20 @@ async def main(
         port = server.port
         mode = "classifier" if _classifier_wired(gateway) else "header"
         result = DemoResult(options, script, text, mode)
-        _print_intro(out, options, script, jobs, port, mode)
-        await _drive(result, gateway, server.url, jobs, crashed, out, stop)
+        rejudge = plan_rejudge(options)
+        result.rejudge = Rejudge(lines=rejudge.count(b"\n"))
+        _print_intro(out, options, script, jobs, port, mode, result.rejudge.lines)
+        await _drive(result, gateway, server.url, jobs, crashed, out, stop, rejudge)
+        result.prefix_cache = {
+            name: (m.stats.prefix_hits, m.stats.prefix_misses)
+            for (name, _), m in zip(LIGHT, mocks, strict=False)
+        }
     finally:
         if server is not None:
             await server.shutdown()
         for m in mocks:
             await m.stop()
+        store_dir.cleanup()
     result.wall_s = time.monotonic() - wall0
     result.summary = summarize(result)
     print(result.summary, file=out)
@@ -626,8 +708,10 @@ async def _drive(
     crashed: MockServer,
     out: TextIO,
     stop: asyncio.Event,
+    rejudge_file: bytes = b"",
 ) -> None:
-    """Sends the workload, runs the script and samples the state until every answer is in."""
+    """Sends the workload, runs the script and samples the state until every answer is in
+    (and the re-judging batch, submitted through the Batch API at the start, is finished)."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     capture = LogCapture(time.time())
@@ -649,6 +733,10 @@ async def _drive(
             script = asyncio.create_task(
                 _run_script(result, crashed, now, stop), name="demo-script"
             )
+            rejudge = result.rejudge if result.rejudge is not None else Rejudge(0, error="off")
+            batch = asyncio.create_task(
+                _rejudge(session, base, rejudge, rejudge_file, now), name="demo-rejudge"
+            )
             try:
                 for job in jobs:
                     delay = job.at - now()
@@ -668,7 +756,7 @@ async def _drive(
                     # The workload is sent; wait (boundedly) for the answers still owed.
                     result.events.append(Event(now(), "workload sent; waiting for answers"))
                     deadline = now() + DRAIN_LIMIT_S
-                    while pending and not stop.is_set() and now() < deadline:
+                    while (pending or not rejudge.done) and not stop.is_set() and now() < deadline:
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(stop.wait(), 0.1)
                     if pending:
@@ -684,6 +772,7 @@ async def _drive(
                     script.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await script
+                await _end_rejudge(session, base, rejudge, batch)
                 result.end = now()
                 finished.set()
                 await sampler
@@ -748,6 +837,7 @@ async def _send(
             sample.pool = h.get("X-Gateway-Pool")
             sample.instance = h.get("X-Gateway-Instance")
             sample.waited_as = h.get("X-Gateway-Priority")
+            sample.affinity = h.get("X-Gateway-Affinity")
             decided = h.get("X-Gateway-Complexity")
             # A rule naming a Chinese keyword arrives percent-encoded (headers are latin-1).
             sample.decided = None if decided is None else unquote(decided)
@@ -782,6 +872,88 @@ def _error_code(raw: bytes) -> str | None:
     err = data.get("error") if isinstance(data, dict) else None
     code = err.get("code") if isinstance(err, dict) else None
     return code if isinstance(code, str) else None
+
+
+class _ApiError(Exception):
+    """A Batch API call the demo makes answered with an error."""
+
+
+async def _api(session: aiohttp.ClientSession, method: str, url: str, **kw: Any) -> dict[str, Any]:
+    async with session.request(method, url, **kw) as resp:
+        raw = await resp.read()
+        if resp.status != 200:
+            raise _ApiError(f"{method} {url.split('/v1', 1)[-1]}: HTTP {resp.status}")
+    doc: dict[str, Any] = orjson.loads(raw)
+    return doc
+
+
+async def _rejudge(
+    session: aiohttp.ClientSession,
+    base: str,
+    rejudge: Rejudge,
+    data: bytes,
+    now: Callable[[], float],
+) -> None:
+    """Submits the re-judging file as a batch (SPEC §14), then follows it to its end with
+    `GET /v1/batches/{id}` as an OpenAI Batch API client does."""
+    if rejudge.error:
+        return
+    try:
+        form = aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        form.add_field("file", data, filename="rejudge.jsonl", content_type="application/jsonl")
+        f = await _api(session, "POST", base + "/v1/files", data=form)
+        spec = {
+            "input_file_id": f["id"],
+            "endpoint": CHAT,
+            "completion_window": "24h",
+            "metadata": {"job": "overnight re-judging"},
+        }
+        b = await _api(session, "POST", base + "/v1/batches", json=spec)
+        rejudge.batch_id, rejudge.submitted = b["id"], now()
+        while True:
+            _progress(rejudge, b, now())
+            if rejudge.done:
+                break
+            await asyncio.sleep(REJUDGE_POLL_S)
+            b = await _api(session, "GET", f"{base}/v1/batches/{rejudge.batch_id}")
+        rejudge.output_lines = await _count_lines(session, base, b.get("output_file_id"))
+        rejudge.error_lines = await _count_lines(session, base, b.get("error_file_id"))
+    except (aiohttp.ClientError, OSError, _ApiError, orjson.JSONDecodeError, KeyError) as exc:
+        rejudge.error = str(exc) or type(exc).__name__
+
+
+def _progress(rejudge: Rejudge, batch: dict[str, Any], t: float) -> None:
+    rejudge.status = str(batch.get("status"))
+    counts = batch.get("request_counts") or {}
+    rejudge.progress.append((t, int(counts.get("completed", 0)), int(counts.get("failed", 0))))
+    if rejudge.done and rejudge.finished is None:
+        rejudge.finished = t
+
+
+async def _count_lines(session: aiohttp.ClientSession, base: str, file_id: Any) -> int:
+    if not isinstance(file_id, str):
+        return 0
+    async with session.get(f"{base}/v1/files/{file_id}/content") as resp:
+        return (await resp.read()).count(b"\n") if resp.status == 200 else 0
+
+
+async def _end_rejudge(
+    session: aiohttp.ClientSession,
+    base: str,
+    rejudge: Rejudge,
+    task: asyncio.Task[None],
+) -> None:
+    """A run stopped before the batch finished cancels it (SPEC §14: `cancelling` →
+    `cancelled`, partial results kept) and gives it a moment to get there."""
+    if not rejudge.done and rejudge.batch_id is not None:
+        with contextlib.suppress(aiohttp.ClientError, OSError, _ApiError):
+            await _api(session, "POST", f"{base}/v1/batches/{rejudge.batch_id}/cancel")
+        await asyncio.wait([task], timeout=REJUDGE_CANCEL_WAIT_S)
+    if not task.done():
+        task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def _sample(
@@ -852,14 +1024,20 @@ class _Progress:
             f"{i.name} {i.state.upper()}" for i in snap.instances if i.state != "healthy"
         )
         states = unwell or "all instances healthy"
+        r = self.result.rejudge
+        rejudge = ""
+        if r is not None and r.progress:
+            _, done_n, failed_n = r.progress[-1]
+            rejudge = f"rejudge {done_n + failed_n}/{r.lines} {r.status}"
         # From the richest to the leanest; a narrow terminal gets the first that fits.
         variants = (
-            (head, waits, queues, instances),
+            (head, waits, queues, instances, rejudge),
+            (head, waits, instances, rejudge),
             (head, waits, instances),
             (head, waits, states),
             (head, states),
         )
-        lines = [" | ".join(v) for v in variants]
+        lines = [" | ".join(x for x in v if x) for v in variants]
         return next((line for line in lines if len(line) <= width), lines[-1])
 
     def clear(self) -> None:
@@ -874,7 +1052,13 @@ def _compact(ms: float) -> str:
 
 
 def _print_intro(
-    out: TextIO, options: Options, script: Script, jobs: Sequence[Job], port: int, mode: str
+    out: TextIO,
+    options: Options,
+    script: Script,
+    jobs: Sequence[Job],
+    port: int,
+    mode: str,
+    rejudge_lines: int = 0,
 ) -> None:
     backlog = sum(1 for j in jobs if j.origin == "backlog")
     policy = "weighted 7:3" if options.policy == "weighted" else "strict"
@@ -895,6 +1079,11 @@ def _print_intro(
         f"{script.recover_at:.3g} s",
         f"  routing   complexity {_mode_text(mode)}",
     ]
+    if rejudge_lines:
+        lines.append(
+            f"  batch API the overnight re-judging: {rejudge_lines} lines in one batch "
+            "(POST /v1/files, /v1/batches), run at low priority beside the backlog"
+        )
     if options.progress:
         lines.append(
             "  progress  wait = queue wait p50/p99 per class · queued = realtime+batch per pool"
@@ -1094,7 +1283,9 @@ def _timeline(result: DemoResult) -> list[tuple[float, str]]:
             entries.append((t, f"{inst.name} healthy again (trial requests succeeded)"))
     if cap is not None:
         retried = [
-            f for f in cap.access.values() if int(f.get("attempts") or 0) > 1 and f.get("pool")
+            f
+            for f in cap.access.values()
+            if int(f.get("attempts") or 0) > 1 and f.get("pool") and f.get("source") != "batch"
         ]
         if retried:
             first, last = min(f["t"] for f in retried), max(f["t"] for f in retried)
@@ -1135,7 +1326,11 @@ def _retried(result: DemoResult) -> tuple[int, int]:
     if cap is None:
         return 0, 0
     ok_ids = {s.request_id for s in result.samples if s.ok}
-    retried = [rid for rid, f in cap.access.items() if int(f.get("attempts") or 0) > 1]
+    retried = [
+        rid
+        for rid, f in cap.access.items()
+        if int(f.get("attempts") or 0) > 1 and f.get("source") != "batch"
+    ]
     return len(retried), sum(1 for rid in retried if rid in ok_ids)
 
 
@@ -1205,6 +1400,7 @@ def summarize(result: DemoResult) -> str:
     retried, retried_ok = _retried(result)
     add(f"  retried on another instance: {retried} request(s), {retried_ok} of them answered")
     add("")
+    lines.extend(_affinity_lines(result))
     add("scheduling — grants made while both classes waited (the policy's choice):")
     waits = queue_waits(result)
     for pool in _pool_names(result):
@@ -1244,6 +1440,9 @@ def summarize(result: DemoResult) -> str:
         agree = sum(1 for x in auto if (x.decided or "").split(";", 1)[0] == x.job.complexity)
         add(f"  the classifier agreed with the prompt's real complexity on {agree}/{len(auto)}")
     add("")
+    rejudge = _rejudge_summary(result)
+    if rejudge:
+        lines.extend([*rejudge, ""])
     add(f"crash timeline ({CRASHED}):")
     story = _timeline(result)
     lines.extend(_story_lines(story))
@@ -1262,6 +1461,34 @@ def summarize(result: DemoResult) -> str:
         add(f"gateway warnings ({len(result.capture.warnings)}):")
         lines.extend("  " + w for w in result.capture.warnings[:10])
     return "\n".join(lines) + "\n"
+
+
+def prefix_hit_rate(result: DemoResult) -> float | None:
+    """Pool light's prefix-cache hit rate over its backends (None before any lookup)."""
+    hits = sum(h for h, _ in result.prefix_cache.values())
+    lookups = hits + sum(m for _, m in result.prefix_cache.values())
+    return hits / lookups if lookups else None
+
+
+def _rate_text(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.0%}"
+
+
+def _affinity_lines(result: DemoResult) -> list[str]:
+    """SPEC §15: where pool light's requests landed relative to their prompt's instance, and
+    how often its backends' prefix caches hit."""
+    placed = Counter(x.affinity for x in result.samples if x.pool == "light" and x.affinity)
+    rate = prefix_hit_rate(result)
+    per = ", ".join(
+        f"{name} {h / (h + m):.0%}" for name, (h, m) in result.prefix_cache.items() if h + m
+    )
+    return [
+        f"affinity — pool light balances by prompt prefix ({LIGHT_BALANCER}, SPEC §15):",
+        f"  X-Gateway-Affinity: hit {placed['hit']} · spill {placed['spill']} "
+        f"(first choice full or over (1 + ε) × average)",
+        f"  prefix-cache hit rate {_rate_text(rate)}" + (f" ({per})" if per else ""),
+        "",
+    ]
 
 
 # ---- the report ------------------------------------------------------------------------------
@@ -1407,7 +1634,8 @@ def render_report(result: DemoResult) -> str:
         balancing.append(
             (
                 line_chart(
-                    f"In flight per instance — pool {pool} ({result.options.balancer})",
+                    f"In flight per instance — pool {pool} "
+                    f"({LIGHT_BALANCER if pool == 'light' else result.options.balancer})",
                     series,
                     x_label="seconds since start",
                     y_label="requests in flight",
@@ -1424,7 +1652,9 @@ def render_report(result: DemoResult) -> str:
                     "other instance; after the restart it takes one half-open trial at a time "
                     "before it is trusted again."
                     if pool == "heavy"
-                    else "The balancer keeps the instances evenly loaded."
+                    else "Affinity sends each judge prompt back to the instance whose prefix "
+                    "cache holds it, while no instance goes above (1 + ε) × the average load: "
+                    f"prefix-cache hit rate {_rate_text(prefix_hit_rate(result))}."
                 ),
             )
         )
@@ -1475,6 +1705,7 @@ def render_report(result: DemoResult) -> str:
         ("Realtime vs batch: time spent waiting", [(cdf, _cdf_caption())]),
         ("Scheduling: who gets each freed slot", scheduling),
         ("Queues", queues),
+        *_rejudge_section(result, x_range, ends),
         ("Balancing across instances", balancing),
         (
             "Health: the crash and the recovery",
@@ -1509,6 +1740,66 @@ def render_report(result: DemoResult) -> str:
         ],
         meta=f"gateway {__version__} · {time.strftime('%Y-%m-%d %H:%M:%S')} · seed {o.seed}",
     )
+
+
+def _rejudge_summary(result: DemoResult) -> list[str]:
+    """The re-judging batch's part of the summary (SPEC §14)."""
+    r = result.rejudge
+    if r is None:
+        return []
+    out = ["Batch API — the overnight re-judging as one batch (POST /v1/files, /v1/batches):"]
+    if r.error:
+        return [*out, f"  not run: {r.error}"]
+    done, failed = r.progress[-1][1:] if r.progress else (0, 0)
+    took = ""
+    if r.finished is not None and r.submitted is not None:
+        took = f" after {r.finished - r.submitted:.1f} s"
+    out.append(
+        f"  {r.batch_id} · {r.lines} lines · completed {done}, failed {failed} · {r.status}{took}"
+    )
+    backlog = sum(1 for x in result.samples if x.job.origin == "backlog")
+    out.append(
+        f"  fed at most {Batch().in_flight_per_batch} lines at a time into the low queue, as a "
+        f"tenant of its own beside the {backlog} backlog requests"
+    )
+    if r.output_lines or r.error_lines:
+        out.append(f"  output file {r.output_lines} lines · error file {r.error_lines} lines")
+    return out
+
+
+def _rejudge_section(
+    result: DemoResult, x_range: tuple[float, float], markers: Sequence[Marker]
+) -> list[tuple[str, list[tuple[str, str]]]]:
+    """The report's chart of the re-judging batch's progress (none if it never ran)."""
+    r = result.rejudge
+    if r is None or not r.progress:
+        return []
+    done = [(t, float(c)) for t, c, _ in r.progress]
+    failed = [(t, float(f)) for t, _, f in r.progress]
+    total = [(x_range[0], float(r.lines)), (x_range[1], float(r.lines))]
+    chart = line_chart(
+        "Batch API: overnight re-judging progress (GET /v1/batches/{id})",
+        [
+            Series(f"lines completed ({done[-1][1]:.0f})", done, CLASS_COLOR["low"], step=True),
+            Series(f"lines failed ({failed[-1][1]:.0f})", failed, "#D55E00", step=True),
+            Series(f"lines in the batch ({r.lines})", total, "#888", dashed=True),
+        ],
+        x_label="seconds since start",
+        y_label="lines",
+        x_range=x_range,
+        y_range=(0, r.lines * 1.05 + 1),
+        x_fmt=fmt_seconds,
+        markers=markers,
+        height=240,
+    )
+    caption = (
+        f"The overnight re-judging as one Batch API batch ({r.lines} lines, status {r.status}): "
+        "uploaded as JSONL, run line by line at low priority through the same queues, "
+        "retries and health as live requests, at most "
+        f"{Batch().in_flight_per_batch} lines at a time, as a tenant of its own in the low "
+        "queue — so it shares the batch class with the backlog and never crowds out realtime."
+    )
+    return [("Batch API: the overnight re-judging", [(chart, caption)])]
 
 
 def _cdf_caption() -> str:

@@ -1,7 +1,15 @@
 //! Which instance a granted slot goes to (SPEC §5).
 //!
-//! Measure and policy are kept apart, as in tower: [`Load`] says how busy an instance is
-//! (in-flight over capacity), the [`Balancer`] policies only compare loads.
+//! Measure and policy are kept apart, as in tower: [`Load`] says how busy an instance is,
+//! the [`Balancer`] policies only compare loads.
+//!
+//! **Load** (SPEC §5, §15 "Backend load"): `(in_flight + waiting) / max_concurrency`, where
+//! `in_flight` counts this pool's attempts on the instance and `waiting` the requests a vLLM
+//! backend reports queued (`vllm:num_requests_waiting`, read each probe interval; 0 for other
+//! providers). Equal ratios are told apart by the backend's KV-cache usage
+//! (`vllm:gpu_cache_usage_perc`, lower first): a fuller cache preempts sooner. A backend's
+//! own queue so counts against it in `least_connections`, `p2c` and `affinity`;
+//! `round_robin` and `random` ignore load by definition.
 //!
 //! - `least_connections` (default): the lowest `in_flight / max_concurrency`; the scan starts
 //!   at a rotating cursor and keeps the first of equals, so equal instances share evenly.
@@ -12,24 +20,33 @@
 //! - `p2c`: power of two choices (Mitzenmacher 2001; Envoy's and Finagle's least-request
 //!   default): two distinct uniform candidates, the less loaded wins, the first on a tie.
 //!   Kept for comparison in benchmarks; with a handful of instances a full scan is as cheap.
+//! - `affinity`: consistent hashing with bounded loads on the request's key (see
+//!   `affinity.rs`, placed by the pool); a request without a key goes as `least_connections`.
 
 use std::cmp::Ordering;
 
 use crate::rng::SplitMix64;
 use crate::types::BalancerKind;
 
-/// How busy an instance is: `in_flight / capacity`, compared exactly by cross-multiplying.
+/// How busy an instance is: `active / capacity` (compared exactly by cross-multiplying), then
+/// the backend's KV-cache usage.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Load {
-    pub in_flight: u32,
+    /// Requests on the instance: in flight from this pool plus waiting at the backend
+    /// (saturating; a `u32`, so the cross-multiplication below stays in a `u64`).
+    pub active: u32,
+    /// Its `max_concurrency`.
     pub capacity: u32,
+    /// The backend's KV-cache usage in thousandths (0 when unknown).
+    pub cache_permille: u16,
 }
 
 impl Ord for Load {
     fn cmp(&self, other: &Self) -> Ordering {
-        let a = u64::from(self.in_flight) * u64::from(other.capacity.max(1));
-        let b = u64::from(other.in_flight) * u64::from(self.capacity.max(1));
+        let a = u64::from(self.active) * u64::from(other.capacity.max(1));
+        let b = u64::from(other.active) * u64::from(self.capacity.max(1));
         a.cmp(&b)
+            .then_with(|| self.cache_permille.cmp(&other.cache_permille))
     }
 }
 
@@ -68,7 +85,8 @@ impl Balancer {
         }
         let rotated = |cursor: usize| (0..n).map(move |k| (cursor + k) % n);
         let chosen = match self.kind {
-            BalancerKind::LeastConnections => {
+            // `Affinity` comes here only for requests without a key.
+            BalancerKind::LeastConnections | BalancerKind::Affinity => {
                 let mut best: Option<(usize, Load)> = None;
                 for i in rotated(self.cursor).filter(|&i| candidate(i)) {
                     let l = load(i);
@@ -119,8 +137,9 @@ mod tests {
 
     fn loads(v: &[(u32, u32)]) -> impl Fn(usize) -> Load + '_ {
         move |i| Load {
-            in_flight: v[i].0,
+            active: v[i].0,
             capacity: v[i].1,
+            cache_permille: 0,
         }
     }
 
@@ -130,6 +149,31 @@ mod tests {
         // 3/16 < 1/4
         let v = [(1, 4), (3, 16)];
         assert_eq!(b.pick(2, |_| true, loads(&v)), Some(1));
+    }
+
+    #[test]
+    fn cache_usage_breaks_ties_of_equal_ratios() {
+        let mut b = Balancer::new(BalancerKind::LeastConnections, 1);
+        let v = [
+            Load {
+                active: 2,
+                capacity: 4,
+                cache_permille: 900,
+            },
+            Load {
+                active: 1,
+                capacity: 2,
+                cache_permille: 300,
+            },
+            Load {
+                active: 3,
+                capacity: 4,
+                cache_permille: 0,
+            },
+        ];
+        for _ in 0..3 {
+            assert_eq!(b.pick(3, |_| true, |i| v[i]), Some(1));
+        }
     }
 
     #[test]
@@ -149,6 +193,7 @@ mod tests {
             BalancerKind::RoundRobin,
             BalancerKind::Random,
             BalancerKind::P2c,
+            BalancerKind::Affinity,
         ] {
             let mut b = Balancer::new(kind, 7);
             let v = [(0, 1), (5, 9), (0, 1), (1, 2)];

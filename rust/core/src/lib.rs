@@ -1,12 +1,14 @@
 //! The gateway's scheduling core: per pool, a bounded dual queue (high/low, fair across
 //! tenants), the class selector (smooth weighted round-robin or strict, with a starvation
-//! guard), the instance balancer over in-flight counters, and each instance's health state.
+//! guard), the instance balancer over in-flight counters (with consistent hashing with bounded
+//! loads for prefix affinity), and each instance's health state.
 //!
 //! Pure Rust: no Python, no I/O, no clock and no global randomness. Time comes in as an
 //! argument in milliseconds; randomness from a seeded generator. The rules implemented are
-//! those of SPEC §3, §5 and §6; each is quoted beside the line that implements it.
+//! those of SPEC §3, §5, §6 and §15; each is quoted beside the line that implements it.
 #![forbid(unsafe_code)]
 
+pub mod affinity;
 pub mod balancer;
 pub mod error;
 pub mod health;
@@ -17,10 +19,15 @@ pub mod rng;
 pub mod selector;
 pub mod types;
 
+pub use affinity::HashRing;
 pub use balancer::{Balancer, Load};
 pub use error::CoreError;
 pub use health::{Breaker, HealthConfig};
 pub use matcher::KeywordSet;
-pub use pool::{Admit, Event, EventKind, Instance, Pool, PoolConfig, PoolStats, MAX_INSTANCES};
+pub use pool::{
+    Admit, Event, EventKind, Instance, InstanceExtra, Pool, PoolConfig, PoolStats, MAX_INSTANCES,
+};
 pub use selector::{Choice, Selector, SelectorConfig};
-pub use types::{BalancerKind, InstanceState, Millis, Outcome, Policy, Priority, Tenant, Ticket};
+pub use types::{
+    Affinity, BalancerKind, InstanceState, Millis, Outcome, Policy, Priority, Tenant, Ticket,
+};

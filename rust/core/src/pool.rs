@@ -13,12 +13,15 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
+use crate::affinity::{self, HashRing};
 use crate::balancer::{Balancer, Load};
 use crate::error::CoreError;
 use crate::health::{Breaker, HealthConfig};
 use crate::queue::{ClassQueue, Entry};
 use crate::selector::{Choice, Selector, SelectorConfig};
-use crate::types::{BalancerKind, InstanceState, Millis, Outcome, Priority, Tenant, Ticket};
+use crate::types::{
+    Affinity, BalancerKind, InstanceState, Millis, Outcome, Priority, Tenant, Ticket,
+};
 
 /// Most instances one pool may hold: exclusions of already-tried instances are a `u64` set.
 pub const MAX_INSTANCES: usize = 64;
@@ -33,6 +36,9 @@ pub struct PoolConfig {
     pub low_max_wait_ms: Millis,
     pub overflow_high_to_low: bool,
     pub balancer: BalancerKind,
+    /// SPEC §15 `affinity.epsilon` in thousandths: an affine request goes to an instance only
+    /// while its load is at most `(1 + ε)` times the pool's average.
+    pub affinity_epsilon_permille: u32,
     pub health: HealthConfig,
 }
 
@@ -46,6 +52,7 @@ impl Default for PoolConfig {
             low_max_wait_ms: 600_000,
             overflow_high_to_low: true,
             balancer: BalancerKind::LeastConnections,
+            affinity_epsilon_permille: 250,
             health: HealthConfig::default(),
         }
     }
@@ -96,6 +103,8 @@ pub enum EventKind {
 pub struct Event {
     pub ticket: Ticket,
     pub kind: EventKind,
+    /// For a grant in an `affinity` pool: whether it went to its key's first choice.
+    pub affinity: Affinity,
 }
 
 /// Where `submit` put a request.
@@ -147,12 +156,42 @@ pub struct Instance {
     pub removed: bool,
 }
 
+/// What an instance is beyond its slots and health (SPEC §15): its place on the affinity
+/// ring and what its backend reports of itself. Kept beside `Instance`, not in it, so that
+/// the balancer's scan reads one 64-byte line per instance, as before these existed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InstanceExtra {
+    /// Where its points lie on the affinity hash ring: a stable identity (a hash of its
+    /// name), so that a reload reusing the index of another instance moves that one's keys.
+    pub ring_id: u64,
+    /// Requests the backend itself reports waiting (vLLM `num_requests_waiting`).
+    pub backend_waiting: u32,
+    /// The backend's KV-cache usage in thousandths (vLLM `gpu_cache_usage_perc`).
+    pub cache_permille: u16,
+}
+
 impl Instance {
+    /// The load of an instance whose backend reports nothing: its own attempts only.
     fn load(&self) -> Load {
         Load {
-            in_flight: self.in_flight,
+            active: self.in_flight,
             capacity: self.max_concurrency,
+            cache_permille: 0,
         }
+    }
+
+    /// SPEC §15 "Backend load": this pool's attempts plus the backend's own queue.
+    fn load_with(&self, extra: &InstanceExtra) -> Load {
+        Load {
+            active: self.in_flight.saturating_add(extra.backend_waiting),
+            capacity: self.max_concurrency,
+            cache_permille: extra.cache_permille,
+        }
+    }
+
+    /// Requests on the instance, for the affinity bound.
+    fn active(&self, extra: &InstanceExtra) -> u64 {
+        u64::from(self.in_flight) + u64::from(extra.backend_waiting)
     }
 }
 
@@ -204,6 +243,9 @@ pub struct PoolStats {
     pub cancelled: u64,
     pub rejected_full: u64,
     pub unservable: u64,
+    /// Grants to their key's first-choice instance, and to a later one (SPEC §15).
+    pub affinity_hits: u64,
+    pub affinity_spills: u64,
 }
 
 pub struct Pool {
@@ -212,6 +254,14 @@ pub struct Pool {
     selector: Selector,
     balancer: Balancer,
     instances: Vec<Instance>,
+    /// `extras[i]` belongs to `instances[i]`.
+    extras: Vec<InstanceExtra>,
+    /// Some backend reported load: the balancers read `extras` (else they skip them).
+    backend_loaded: bool,
+    /// The affinity hash ring, built on first use; `None` after the instances change.
+    ring: Option<HashRing>,
+    /// Where the latest grant landed relative to its affinity key.
+    last_affinity: Affinity,
     tickets: TicketMap,
     events: Vec<Event>,
     /// Instance state changes since the caller last asked, for lifecycle logs.
@@ -235,6 +285,10 @@ impl Pool {
             selector: Selector::new(),
             balancer: Balancer::new(cfg.balancer, seed),
             instances: Vec::new(),
+            extras: Vec::new(),
+            backend_loaded: false,
+            ring: None,
+            last_affinity: Affinity::None,
             tickets: TicketMap::default(),
             events: Vec::new(),
             transitions: Vec::new(),
@@ -268,36 +322,90 @@ impl Pool {
     }
 
     /// Adds an instance; returns its index. The slot of a removed instance that has drained
-    /// is reused (nothing can refer to it any more), so reloads never exhaust the pool.
+    /// is reused (nothing can refer to it any more), so reloads never exhaust the pool. Its
+    /// ring id is its index; see `add_instance_with_id`.
     pub fn add_instance(&mut self, max_concurrency: u32) -> Result<usize, CoreError> {
+        self.add_instance_with_id(max_concurrency, None)
+    }
+
+    /// Adds an instance whose points on the affinity ring derive from `ring_id` (a stable
+    /// identity such as a hash of its name; `None`: its index).
+    pub fn add_instance_with_id(
+        &mut self,
+        max_concurrency: u32,
+        ring_id: Option<u64>,
+    ) -> Result<usize, CoreError> {
         if max_concurrency == 0 {
             return Err(CoreError::InvalidConfig(
                 "max_concurrency must be at least 1".into(),
             ));
         }
+        let reused = self
+            .instances
+            .iter()
+            .position(|i| i.removed && i.in_flight == 0);
+        if reused.is_none() && self.instances.len() >= MAX_INSTANCES {
+            return Err(CoreError::InvalidConfig(format!(
+                "a pool holds at most {MAX_INSTANCES} instances"
+            )));
+        }
+        let idx = reused.unwrap_or(self.instances.len());
         let fresh = Instance {
             max_concurrency,
             in_flight: 0,
             breaker: Breaker::new(),
             removed: false,
         };
-        if let Some(idx) = self
-            .instances
-            .iter()
-            .position(|i| i.removed && i.in_flight == 0)
-        {
+        let extra = InstanceExtra {
+            ring_id: ring_id.unwrap_or(idx as u64),
+            ..InstanceExtra::default()
+        };
+        if idx < self.instances.len() {
             self.instances[idx] = fresh;
-            self.invalidate();
-            return Ok(idx);
+            self.extras[idx] = extra;
+        } else {
+            self.instances.push(fresh);
+            self.extras.push(extra);
         }
-        if self.instances.len() >= MAX_INSTANCES {
-            return Err(CoreError::InvalidConfig(format!(
-                "a pool holds at most {MAX_INSTANCES} instances"
-            )));
-        }
-        self.instances.push(fresh);
         self.invalidate();
-        Ok(self.instances.len() - 1)
+        self.ring = None;
+        self.note_backend_load();
+        Ok(idx)
+    }
+
+    /// SPEC §15 "Backend load": what the instance's backend reports of itself (vLLM's
+    /// `num_requests_waiting` and `gpu_cache_usage_perc` in thousandths). Counted by the
+    /// balancers from the next decision; nothing is granted or taken back by it.
+    pub fn set_backend_load(
+        &mut self,
+        idx: usize,
+        waiting: u32,
+        cache_permille: u16,
+    ) -> Result<(), CoreError> {
+        self.instance_mut(idx)?;
+        self.extras[idx] = InstanceExtra {
+            backend_waiting: waiting,
+            cache_permille: cache_permille.min(1000),
+            ..self.extras[idx]
+        };
+        self.note_backend_load();
+        Ok(())
+    }
+
+    /// Keeps the balancers' shortcut exact: without backend load, `extras` are not read.
+    fn note_backend_load(&mut self) {
+        self.backend_loaded = self
+            .extras
+            .iter()
+            .any(|e| e.backend_waiting != 0 || e.cache_permille != 0);
+    }
+
+    /// The instance's ring id and backend load (see `InstanceExtra`).
+    pub fn extra(&self, idx: usize) -> Result<InstanceExtra, CoreError> {
+        self.extras
+            .get(idx)
+            .copied()
+            .ok_or(CoreError::UnknownInstance(idx))
     }
 
     /// Changes an instance's capacity. Lowering it below the in-flight count refuses new
@@ -313,9 +421,11 @@ impl Pool {
     }
 
     /// Stops giving an instance new attempts; those in flight finish and release as usual.
+    /// It leaves the affinity ring: its keys move to their next instance, no other key moves.
     pub fn remove_instance(&mut self, idx: usize) -> Result<(), CoreError> {
         self.instance_mut(idx)?.removed = true;
         self.invalidate();
+        self.ring = None;
         Ok(())
     }
 
@@ -328,7 +438,8 @@ impl Pool {
     // ---- the operations ------------------------------------------------------------------
 
     /// A request arrives (or comes back for a retry with its original ticket and the
-    /// instances it already tried in `excluded`).
+    /// instances it already tried in `excluded`). `affinity_key` (0: none) places it in an
+    /// `affinity` pool (SPEC §15); `last_affinity` then tells where an immediate grant landed.
     ///
     /// SPEC §2.4: "if the pool has a healthy instance with a free slot *and nothing of that
     /// pool is waiting*, dispatch at once; otherwise enqueue in the pool's dual queue".
@@ -338,6 +449,7 @@ impl Pool {
         priority: Priority,
         tenant: Tenant,
         excluded: u64,
+        affinity_key: u64,
         now: Millis,
     ) -> Result<Admit, CoreError> {
         if self.tickets.contains_key(&ticket) {
@@ -352,11 +464,11 @@ impl Pool {
             });
         }
         if self.waiting() == 0 {
-            if let Some(inst) = self.pick_instance(excluded, now) {
+            if let Some((inst, placed)) = self.pick_instance(excluded, affinity_key, now) {
                 let choice = Choice::Alone(priority);
                 self.selector
                     .commit(&self.cfg.selector, choice, priority, false, now);
-                self.grant(ticket, priority, inst, now);
+                self.grant(ticket, priority, inst, placed, now);
                 return Ok(Admit::Granted(inst));
             }
         }
@@ -374,18 +486,27 @@ impl Pool {
                 retry_after_ms: self.retry_after_ms(priority, now),
             });
         };
-        self.queues[class.index()].push(Entry::new(ticket, tenant, now, excluded));
+        self.queues[class.index()]
+            .push(Entry::new(ticket, tenant, now, excluded).with_affinity_key(affinity_key));
         self.tickets
             .insert(ticket, TicketState::Waiting(class, tenant));
         // Usually nothing fits (the queue was non-empty because nothing did), but a free slot
         // that only retries excluded, or capacity that came back with time, must not idle.
         self.pump(now);
         if let Some(pos) = self.events.iter().position(|e| e.ticket == ticket) {
-            if let EventKind::Granted(inst) = self.events.remove(pos).kind {
+            let event = self.events.remove(pos);
+            if let EventKind::Granted(inst) = event.kind {
+                self.last_affinity = event.affinity;
                 return Ok(Admit::Granted(inst));
             }
         }
         Ok(Admit::Queued(class))
+    }
+
+    /// Where the latest grant landed relative to its affinity key: after a `submit` that
+    /// granted at once, that request's (queued grants carry theirs in their `Event`).
+    pub fn last_affinity(&self) -> Affinity {
+        self.last_affinity
     }
 
     /// Grants made by `submit` to *other* waiting tickets; deliver them.
@@ -525,6 +646,7 @@ impl Pool {
                 self.events.push(Event {
                     ticket: t,
                     kind: EventKind::Expired,
+                    affinity: Affinity::None,
                 });
             }
         }
@@ -553,7 +675,7 @@ impl Pool {
                 break;
             };
             let first = choice.class();
-            let Some((entry, inst, class)) = self
+            let Some((entry, (inst, placed), class)) = self
                 .pop_fitting(first, now)
                 .or_else(|| self.pop_fitting(other(first), now))
             else {
@@ -565,15 +687,20 @@ impl Pool {
                 self.stats.forced_low += 1;
             }
             self.tickets.remove(&entry.ticket);
-            self.grant(entry.ticket, class, inst, now);
+            self.grant(entry.ticket, class, inst, placed, now);
             self.events.push(Event {
                 ticket: entry.ticket,
                 kind: EventKind::Granted(inst),
+                affinity: placed,
             });
         }
     }
 
-    fn pop_fitting(&mut self, class: Priority, now: Millis) -> Option<(Entry, usize, Priority)> {
+    fn pop_fitting(
+        &mut self,
+        class: Priority,
+        now: Millis,
+    ) -> Option<(Entry, (usize, Affinity), Priority)> {
         if self.queues[class.index()].live() == 0 {
             return None;
         }
@@ -582,13 +709,21 @@ impl Pool {
             tickets,
             balancer,
             instances,
+            extras,
+            backend_loaded,
+            ring,
             cfg,
             ..
         } = self;
         let live = |t| is_waiting(tickets, t, class);
+        let view = Instances {
+            instances,
+            extras,
+            backend_loaded: *backend_loaded,
+        };
         queues[class.index()]
-            .pop_fitting(&live, |excluded| {
-                pick(balancer, instances, &cfg.health, excluded, now)
+            .pop_fitting(&live, |e| {
+                pick(balancer, ring, &view, cfg, e.excluded, e.affinity_key, now)
             })
             .map(|(e, i)| (e, i, class))
     }
@@ -626,12 +761,26 @@ impl Pool {
                     kind: EventKind::Unservable {
                         retry_after_ms: wait,
                     },
+                    affinity: Affinity::None,
                 });
             }
         }
     }
 
-    fn grant(&mut self, ticket: Ticket, class: Priority, inst: usize, now: Millis) {
+    fn grant(
+        &mut self,
+        ticket: Ticket,
+        class: Priority,
+        inst: usize,
+        placed: Affinity,
+        now: Millis,
+    ) {
+        match placed {
+            Affinity::None => {}
+            Affinity::Hit => self.stats.affinity_hits += 1,
+            Affinity::Spill => self.stats.affinity_spills += 1,
+        }
+        self.last_affinity = placed;
         let instance = &mut self.instances[inst];
         instance.in_flight += 1;
         // SPEC §5: "An instance never exceeds its max_concurrency."
@@ -653,12 +802,24 @@ impl Pool {
         self.drain.record(now);
     }
 
-    fn pick_instance(&mut self, excluded: u64, now: Millis) -> Option<usize> {
+    fn pick_instance(
+        &mut self,
+        excluded: u64,
+        affinity_key: u64,
+        now: Millis,
+    ) -> Option<(usize, Affinity)> {
+        let view = Instances {
+            instances: &self.instances,
+            extras: &self.extras,
+            backend_loaded: self.backend_loaded,
+        };
         pick(
             &mut self.balancer,
-            &self.instances,
-            &self.cfg.health,
+            &mut self.ring,
+            &view,
+            &self.cfg,
             excluded,
+            affinity_key,
             now,
         )
     }
@@ -838,26 +999,79 @@ fn other(p: Priority) -> Priority {
     }
 }
 
+/// The instances with what their backends report, as the balancers read them.
+struct Instances<'a> {
+    instances: &'a [Instance],
+    extras: &'a [InstanceExtra],
+    backend_loaded: bool,
+}
+
 /// The balancer's choice among instances that admit a new attempt now, have a free slot and
-/// are not excluded.
+/// are not excluded; with the affinity decision.
 fn pick(
     balancer: &mut Balancer,
-    instances: &[Instance],
-    health: &HealthConfig,
+    ring: &mut Option<HashRing>,
+    view: &Instances<'_>,
+    cfg: &PoolConfig,
     excluded: u64,
+    affinity_key: u64,
     now: Millis,
-) -> Option<usize> {
-    balancer.pick(
-        instances.len(),
-        |k| {
-            let i = &instances[k];
-            excluded & (1 << k) == 0
-                && !i.removed
-                && i.in_flight < i.max_concurrency
-                && i.breaker.admits(health, now)
-        },
-        |k| instances[k].load(),
-    )
+) -> Option<(usize, Affinity)> {
+    let (instances, extras) = (view.instances, view.extras);
+    let health = &cfg.health;
+    let candidate = |k: usize| {
+        let i = &instances[k];
+        excluded & (1 << k) == 0
+            && !i.removed
+            && i.in_flight < i.max_concurrency
+            && i.breaker.admits(health, now)
+    };
+    if affinity_key != 0 && balancer.kind == BalancerKind::Affinity {
+        return place_affine(ring, view, cfg, affinity_key, candidate);
+    }
+    let n = instances.len();
+    let chosen = if view.backend_loaded {
+        balancer.pick(n, candidate, |k| instances[k].load_with(&extras[k]))
+    } else {
+        // The common case: no backend reports load; the scan reads `instances` alone.
+        balancer.pick(n, candidate, |k| instances[k].load())
+    };
+    chosen.map(|i| (i, Affinity::None))
+}
+
+/// SPEC §15: the key's instance on the hash ring while its load is at most `(1 + ε)` times
+/// the pool's average, else the next one on the ring (see `affinity.rs`). The average is over
+/// the instances that are up (not removed, not ejected), the request being placed included.
+fn place_affine(
+    ring: &mut Option<HashRing>,
+    view: &Instances<'_>,
+    cfg: &PoolConfig,
+    key: u64,
+    candidate: impl Fn(usize) -> bool,
+) -> Option<(usize, Affinity)> {
+    let (instances, extras) = (view.instances, view.extras);
+    let ring = ring.get_or_insert_with(|| {
+        HashRing::new(
+            instances
+                .iter()
+                .zip(extras)
+                .enumerate()
+                .filter(|(_, (i, _))| !i.removed)
+                .map(|(k, (_, e))| (k, e.ring_id)),
+        )
+    });
+    let (total, up) = instances
+        .iter()
+        .zip(extras)
+        .filter(|(i, _)| !i.removed && i.breaker.available())
+        .fold((0u64, 0u64), |(t, n), (i, e)| (t + i.active(e), n + 1));
+    if up == 0 {
+        return None;
+    }
+    let cap = affinity::capacity(total, up, cfg.affinity_epsilon_permille);
+    affinity::place(ring, key, cap, candidate, |k| {
+        instances[k].active(&extras[k])
+    })
 }
 
 #[cfg(test)]
@@ -889,13 +1103,16 @@ mod tests {
             ..HealthConfig::default()
         };
         let mut p = pool(&[1], health);
-        assert_eq!(p.submit(1, Priority::High, 0, 0, 0), Ok(Admit::Granted(0)));
+        assert_eq!(
+            p.submit(1, Priority::High, 0, 0, 0, 0),
+            Ok(Admit::Granted(0))
+        );
         p.release(1, Outcome::Failure, 0, 0).unwrap();
         assert_eq!(p.take_transitions(), vec![(0, InstanceState::Ejected)]);
         assert!(!p.has_transitions());
         // time passes: the next decision sees it half-open, a success restores it
         assert_eq!(
-            p.submit(2, Priority::High, 0, 0, 100),
+            p.submit(2, Priority::High, 0, 0, 0, 100),
             Ok(Admit::Granted(0))
         );
         p.release(2, Outcome::Success, 0, 101).unwrap();
@@ -905,10 +1122,132 @@ mod tests {
         );
     }
 
+    fn affinity_pool(instances: &[u32]) -> Pool {
+        let mut p = Pool::new(
+            PoolConfig {
+                balancer: BalancerKind::Affinity,
+                ..PoolConfig::default()
+            },
+            1,
+        )
+        .unwrap();
+        for (k, &m) in instances.iter().enumerate() {
+            p.add_instance_with_id(m, Some(1000 + k as u64)).unwrap();
+        }
+        p
+    }
+
+    #[test]
+    fn affinity_keeps_a_key_on_its_instance_while_loads_allow() {
+        let mut p = affinity_pool(&[8, 8, 8, 8]);
+        let key = 0xDEAD_BEEF;
+        let Ok(Admit::Granted(home)) = p.submit(1, Priority::High, 0, 0, key, 0) else {
+            panic!("an idle pool grants at once");
+        };
+        assert_eq!(p.last_affinity(), Affinity::Hit);
+        p.release(1, Outcome::Success, 0, 0).unwrap();
+        for t in 2..20 {
+            assert_eq!(
+                p.submit(t, Priority::High, 0, 0, key, 0),
+                Ok(Admit::Granted(home))
+            );
+            assert_eq!(p.last_affinity(), Affinity::Hit);
+            p.release(t, Outcome::Success, 0, 0).unwrap();
+        }
+        // no key: placed by least connections, no affinity decision
+        p.submit(50, Priority::High, 0, 0, 0, 0).unwrap();
+        assert_eq!(p.last_affinity(), Affinity::None);
+        assert_eq!(p.stats().affinity_hits, 19);
+    }
+
+    #[test]
+    fn affinity_spills_past_the_load_bound_and_counts_backend_waiting() {
+        let mut p = affinity_pool(&[8, 8, 8, 8]);
+        let key = 77;
+        let mut homes = Vec::new();
+        // Mirrokni et al. with ε = 0.25 on 4 instances: capacity ceil(1.25 (L + 1) / 4)
+        for t in 1..=8 {
+            let Ok(Admit::Granted(i)) = p.submit(t, Priority::High, 0, 0, key, 0) else {
+                panic!("room for all");
+            };
+            homes.push((i, p.last_affinity()));
+        }
+        let home = homes[0].0;
+        assert_eq!(homes[0].1, Affinity::Hit);
+        // the home takes the key while it is under capacity: 1 (L=0), then at L=1 cap 1 → spill
+        assert_eq!(homes[1].1, Affinity::Spill);
+        let on_home = homes.iter().filter(|(i, _)| *i == home).count();
+        assert!(on_home <= 3, "{homes:?}");
+        for (i, inst) in p.instances().iter().enumerate() {
+            let total: u32 = p.instances().iter().map(|i| i.in_flight).sum();
+            let cap = affinity::capacity(u64::from(total) - 1, 4, 250);
+            assert!(u64::from(inst.in_flight) <= cap, "instance {i}");
+        }
+        // a backend's own queue is load: the key's home reports 10 waiting, the key spills
+        for t in 1..=8 {
+            p.release(t, Outcome::Success, 0, 0).unwrap();
+        }
+        p.set_backend_load(home, 10, 500).unwrap();
+        assert_ne!(
+            p.submit(100, Priority::High, 0, 0, key, 0),
+            Ok(Admit::Granted(home))
+        );
+        assert_eq!(p.last_affinity(), Affinity::Spill);
+    }
+
+    #[test]
+    fn a_queued_grant_carries_its_affinity_decision() {
+        let mut p = affinity_pool(&[1, 1]);
+        let key = 5;
+        let Ok(Admit::Granted(home)) = p.submit(1, Priority::High, 0, 0, key, 0) else {
+            panic!()
+        };
+        assert!(matches!(
+            p.submit(2, Priority::High, 0, 0, 0, 0),
+            Ok(Admit::Granted(_))
+        ));
+        assert_eq!(
+            p.submit(3, Priority::High, 0, 0, key, 0),
+            Ok(Admit::Queued(Priority::High))
+        );
+        let events = p.release(1, Outcome::Success, 0, 1).unwrap();
+        assert_eq!(
+            events,
+            vec![Event {
+                ticket: 3,
+                kind: EventKind::Granted(home),
+                affinity: Affinity::Hit,
+            }]
+        );
+    }
+
+    #[test]
+    fn backend_waiting_counts_in_least_connections() {
+        let mut p = pool(&[4, 4], HealthConfig::default());
+        p.set_backend_load(0, 3, 0).unwrap();
+        for t in 1..=3 {
+            assert_eq!(
+                p.submit(t, Priority::High, 0, 0, 0, 0),
+                Ok(Admit::Granted(1))
+            );
+        }
+        // equal loads (3/4 each): the emptier KV cache wins
+        p.set_backend_load(1, 0, 900).unwrap();
+        p.set_backend_load(0, 3, 100).unwrap();
+        assert_eq!(
+            p.submit(4, Priority::High, 0, 0, 0, 0),
+            Ok(Admit::Granted(0))
+        );
+        assert!(p.set_backend_load(9, 0, 0).is_err());
+    }
+
     #[test]
     fn a_drained_removed_slot_is_reused() {
         let mut p = pool(&[1, 1], HealthConfig::default());
-        assert_eq!(p.submit(1, Priority::High, 0, 0, 0), Ok(Admit::Granted(0)));
+        assert_eq!(
+            p.submit(1, Priority::High, 0, 0, 0, 0),
+            Ok(Admit::Granted(0))
+        );
         p.remove_instance(0).unwrap();
         p.remove_instance(1).unwrap();
         // instance 1 is drained, instance 0 still has an attempt in flight

@@ -32,6 +32,8 @@ pub struct Entry {
     pub enqueued_at: Millis,
     /// Instances this request must not be sent to (already tried), as a bit set.
     pub excluded: u64,
+    /// Its affinity key (SPEC §15), 0 for none: placed by it when granted.
+    pub affinity_key: u64,
     /// Set by `push` when the entry went in before later arrivals (a retry).
     reinserted: bool,
 }
@@ -43,8 +45,14 @@ impl Entry {
             tenant,
             enqueued_at,
             excluded,
+            affinity_key: 0,
             reinserted: false,
         }
+    }
+
+    pub fn with_affinity_key(mut self, key: u64) -> Self {
+        self.affinity_key = key;
+        self
     }
 
     /// An entry that may be passed over (it has exclusions) or that breaks the arrival-time
@@ -185,15 +193,15 @@ impl ClassQueue {
             .min()
     }
 
-    /// Removes and returns the next entry in fair order for which `fits` finds an instance
-    /// (and that instance). Within a tenant the first fitting entry goes: only entries with
+    /// Removes and returns the next entry in fair order for which `fits` finds a place (and
+    /// that place). Within a tenant the first fitting entry goes: only entries with
     /// exclusions can fail to fit while another instance is free, so the scan stops at the
     /// first unrestricted entry.
-    pub fn pop_fitting(
+    pub fn pop_fitting<T>(
         &mut self,
         is_live: &impl Fn(Ticket) -> bool,
-        mut fits: impl FnMut(u64) -> Option<usize>,
-    ) -> Option<(Entry, usize)> {
+        mut fits: impl FnMut(&Entry) -> Option<T>,
+    ) -> Option<(Entry, T)> {
         if self.live == 0 {
             return None;
         }
@@ -204,7 +212,7 @@ impl ClassQueue {
                 if !is_live(e.ticket) {
                     continue;
                 }
-                if let Some(inst) = fits(e.excluded) {
+                if let Some(inst) = fits(e) {
                     found = Some((i, inst));
                     break;
                 }
@@ -393,7 +401,7 @@ mod tests {
         q.push(e(1, 0, 0b01));
         q.push(e(2, 0, 0));
         // only instance 0 is free; ticket 1 already tried it
-        let fits = |ex: u64| (ex & 1 == 0).then_some(0);
+        let fits = |e: &Entry| (e.excluded & 1 == 0).then_some(0);
         assert_eq!(q.pop_fitting(&|_| true, fits).unwrap().0.ticket, 2);
         assert!(q.pop_fitting(&|_| true, fits).is_none());
         assert_eq!(q.live(), 1);

@@ -37,6 +37,33 @@ pub enum BalancerKind {
     RoundRobin,
     Random,
     P2c,
+    /// Consistent hashing with bounded loads on a request's affinity key (SPEC §15); a
+    /// request without a key is placed as by `LeastConnections`.
+    Affinity,
+}
+
+/// Where an affinity-balanced grant landed relative to its key (SPEC §15, the values of
+/// `X-Gateway-Affinity`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Affinity {
+    /// No key, or the pool does not balance by affinity.
+    #[default]
+    None,
+    /// The key's first-choice instance on the hash ring.
+    Hit,
+    /// A later instance on the ring: the first choice was over its load bound, full,
+    /// ejected, cooling or already tried.
+    Spill,
+}
+
+impl Affinity {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Affinity::None => "none",
+            Affinity::Hit => "hit",
+            Affinity::Spill => "spill",
+        }
+    }
 }
 
 /// Circuit state of one instance (SPEC §6). The names are the `state` strings of /admin/state.

@@ -8,16 +8,22 @@
 //!   both starvation bounds force one low grant when — and only when — they are reached;
 //! - health moves only as SPEC §6 says: ejection after `failure_threshold` failures in a row,
 //!   half-open only after the ejection time and a passing probe, trial limits, restore after
-//!   `success_threshold` trial successes, doubled ejections.
+//!   `success_threshold` trial successes, doubled ejections;
+//! - `affinity` (SPEC §15): a keyed request goes to its key's instance on the ring while that
+//!   instance is under `ceil((1 + ε) · (total + 1) / n)`, else to the next one under it, so no
+//!   instance exceeds `ceil((1 + ε) × average) + 1` at any grant; removing an instance moves
+//!   only the keys whose instance it was.
 //!
 //! The pure-Python reference model (tests/reference_scheduler.py) checks the exact decisions;
 //! these check the invariants directly, on the Rust API.
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use gateway_core::affinity::capacity;
+use gateway_core::rng::SplitMix64;
 use gateway_core::{
-    Admit, BalancerKind, CoreError, Event, EventKind, HealthConfig, InstanceState, Millis, Outcome,
-    Policy, Pool, PoolConfig, Priority, SelectorConfig, Ticket,
+    Admit, Affinity, BalancerKind, CoreError, Event, EventKind, HashRing, HealthConfig,
+    InstanceState, Millis, Outcome, Policy, Pool, PoolConfig, Priority, SelectorConfig, Ticket,
 };
 use proptest::prelude::*;
 
@@ -67,6 +73,7 @@ fn pool_config() -> impl Strategy<Value = PoolConfig> {
         Just(BalancerKind::RoundRobin),
         Just(BalancerKind::Random),
         Just(BalancerKind::P2c),
+        Just(BalancerKind::Affinity),
     ];
     (
         selector,
@@ -88,6 +95,7 @@ fn pool_config() -> impl Strategy<Value = PoolConfig> {
                     low_max_wait_ms: low_wait,
                     overflow_high_to_low: overflow,
                     balancer,
+                    affinity_epsilon_permille: 250,
                     health,
                 }
             },
@@ -96,11 +104,13 @@ fn pool_config() -> impl Strategy<Value = PoolConfig> {
 
 #[derive(Clone, Debug)]
 enum Op {
-    /// `burst` requests of one class and tenant arrive.
+    /// `burst` requests of one class and tenant arrive, with affinity key number `key`
+    /// (0: none).
     Submit {
         high: bool,
         tenant: u32,
         burst: u8,
+        key: u8,
     },
     /// The `k`-th running attempt ends; `cool` > 0 is an upstream Retry-After.
     Release {
@@ -131,8 +141,8 @@ fn op() -> impl Strategy<Value = (Op, Millis)> {
     ];
     let cool = prop_oneof![4 => Just(0), 1 => 1u64..3_000];
     let op = prop_oneof![
-        5 => (any::<bool>(), 0u32..3, 1u8..=4)
-            .prop_map(|(high, tenant, burst)| Op::Submit { high, tenant, burst }),
+        5 => (any::<bool>(), 0u32..3, 1u8..=4, 0u8..4)
+            .prop_map(|(high, tenant, burst, key)| Op::Submit { high, tenant, burst, key }),
         5 => (0usize..16, outcome, cool).prop_map(|(k, outcome, cool)| Op::Release { k, outcome, cool }),
         1 => (0usize..16).prop_map(|k| Op::Retry { k }),
         1 => (0usize..16).prop_map(|k| Op::Cancel { k }),
@@ -146,6 +156,15 @@ fn op() -> impl Strategy<Value = (Op, Millis)> {
 
 fn capacities() -> impl Strategy<Value = Vec<u32>> {
     prop::collection::vec(prop::sample::select(vec![1u32, 1, 2, 3, 5]), 1..=4)
+}
+
+/// Affinity key number `n` as a 64-bit key (0: none), the way a hash of a prompt looks.
+fn affinity_key(n: u8) -> u64 {
+    if n == 0 {
+        0
+    } else {
+        SplitMix64::new(u64::from(n)).next_u64() | 1
+    }
 }
 
 // ---- a caller with its own books ------------------------------------------------------------
@@ -171,7 +190,7 @@ struct Caller {
     cfg: PoolConfig,
     now: Millis,
     next_ticket: Ticket,
-    priority: BTreeMap<Ticket, (Priority, u32)>,
+    priority: BTreeMap<Ticket, (Priority, u32, u64)>,
     tried: BTreeMap<Ticket, u64>,
     waiting: BTreeSet<Ticket>,
     /// Running attempts: ticket -> (instance, half-open spell if it is a trial).
@@ -235,7 +254,7 @@ impl Caller {
     }
 
     fn take(&mut self, events: Vec<Event>) {
-        for Event { ticket, kind } in events {
+        for Event { ticket, kind, .. } in events {
             assert!(
                 self.waiting.remove(&ticket),
                 "event {kind:?} for ticket {ticket}, which was not waiting"
@@ -248,12 +267,12 @@ impl Caller {
         }
     }
 
-    fn submit(&mut self, ticket: Ticket, priority: Priority, tenant: u32) {
-        self.priority.insert(ticket, (priority, tenant));
+    fn submit(&mut self, ticket: Ticket, priority: Priority, tenant: u32, key: u64) {
+        self.priority.insert(ticket, (priority, tenant, key));
         let excluded = self.tried.get(&ticket).copied().unwrap_or(0);
         match self
             .pool
-            .submit(ticket, priority, tenant, excluded, self.now)
+            .submit(ticket, priority, tenant, excluded, key, self.now)
         {
             Ok(Admit::Granted(inst)) => self.start(ticket, inst),
             Ok(Admit::Queued(_)) => {
@@ -289,11 +308,13 @@ impl Caller {
                 high,
                 tenant,
                 burst,
+                key,
             } => {
                 let priority = if high { Priority::High } else { Priority::Low };
+                let key = affinity_key(key);
                 for _ in 0..burst {
                     self.next_ticket += 1;
-                    self.submit(self.next_ticket, priority, tenant);
+                    self.submit(self.next_ticket, priority, tenant, key);
                 }
             }
             Op::Release { k, outcome, cool } if !self.running.is_empty() => {
@@ -306,8 +327,8 @@ impl Caller {
             }
             Op::Retry { k } if !self.failed.is_empty() => {
                 let ticket = self.failed.remove(k % self.failed.len());
-                let (priority, tenant) = self.priority[&ticket];
-                self.submit(ticket, priority, tenant);
+                let (priority, tenant, key) = self.priority[&ticket];
+                self.submit(ticket, priority, tenant, key);
             }
             Op::Cancel { k } if !self.waiting.is_empty() => {
                 let ticket = *self.waiting.iter().nth(k % self.waiting.len()).unwrap();
@@ -484,14 +505,14 @@ fn backlog(cfg: PoolConfig, capacities: &[u32], highs: usize, lows: usize) -> Ca
     let slots: u32 = capacities.iter().sum();
     for _ in 0..slots {
         caller.next_ticket += 1;
-        caller.submit(caller.next_ticket, Priority::High, 0);
+        caller.submit(caller.next_ticket, Priority::High, 0, 0);
     }
     assert_eq!(caller.running.len(), slots as usize);
     for k in 0..highs.max(lows) {
         for (priority, count) in [(Priority::High, highs), (Priority::Low, lows)] {
             if k < count {
                 caller.next_ticket += 1;
-                caller.submit(caller.next_ticket, priority, (k % 3) as u32);
+                caller.submit(caller.next_ticket, priority, (k % 3) as u32, 0);
             }
         }
     }
@@ -599,5 +620,124 @@ proptest! {
             }
         }
         prop_assert!(lows > 0);
+    }
+}
+
+// ---- affinity: consistent hashing with bounded loads (SPEC §15) ---------------------------------
+
+#[derive(Clone, Debug)]
+enum AffineOp {
+    /// A request with key number `key` arrives.
+    Submit { key: u8 },
+    /// The `k`-th running request ends.
+    Release { k: usize },
+}
+
+fn affine_op() -> impl Strategy<Value = AffineOp> {
+    // Skewed keys: key 1 is a hot prompt (about half the traffic), as in the seed's judge.
+    let key = prop_oneof![4 => Just(1u8), 4 => 2u8..12];
+    prop_oneof![
+        3 => key.prop_map(|key| AffineOp::Submit { key }),
+        2 => (0usize..64).prop_map(|k| AffineOp::Release { k }),
+    ]
+}
+
+fn affine_pool(ids: &[u64], epsilon_permille: u32) -> Pool {
+    let cfg = PoolConfig {
+        balancer: BalancerKind::Affinity,
+        affinity_epsilon_permille: epsilon_permille,
+        high_capacity: 10_000,
+        ..PoolConfig::default()
+    };
+    let mut pool = Pool::new(cfg, 0).expect("valid config");
+    for &id in ids {
+        pool.add_instance_with_id(10_000, Some(id)).unwrap();
+    }
+    pool
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// SPEC §15 and Mirrokni et al.: a keyed request goes to the first instance clockwise from
+    /// its key whose load is under `ceil((1 + ε)(total + 1) / n)` — its first choice ("hit")
+    /// while loads allow — so no instance exceeds `ceil((1 + ε) × average) + 1` at any grant.
+    #[test]
+    fn affinity_places_by_the_ring_within_the_load_bound(
+        ids in prop::collection::btree_set(any::<u64>(), 1..=6),
+        epsilon in prop::sample::select(vec![0u32, 100, 250, 1_000]),
+        ops in prop::collection::vec(affine_op(), 1..200),
+    ) {
+        let ids: Vec<u64> = ids.into_iter().collect();
+        let mut pool = affine_pool(&ids, epsilon);
+        let ring = HashRing::new(ids.iter().copied().enumerate());
+        let n = ids.len() as u64;
+        let mut running: Vec<(Ticket, usize)> = Vec::new();
+        let mut ticket = 0;
+        for op in ops {
+            match op {
+                AffineOp::Submit { key } => {
+                    let key = affinity_key(key);
+                    let loads: Vec<u64> =
+                        pool.instances().iter().map(|i| u64::from(i.in_flight)).collect();
+                    let total: u64 = loads.iter().sum();
+                    let cap = capacity(total, n, epsilon);
+                    let first = ring.first(key).unwrap();
+                    let expected = ring.successors(key).find(|&i| loads[i] < cap).unwrap();
+                    ticket += 1;
+                    let admit = pool.submit(ticket, Priority::High, 0, 0, key, 0).unwrap();
+                    prop_assert_eq!(admit, Admit::Granted(expected));
+                    let label = if expected == first { Affinity::Hit } else { Affinity::Spill };
+                    prop_assert_eq!(pool.last_affinity(), label);
+                    running.push((ticket, expected));
+                    // the bound, stated on the average after the grant
+                    let after = u64::from(pool.instances()[expected].in_flight);
+                    let average = (total + 1) as f64 / n as f64;
+                    let bound = ((1.0 + f64::from(epsilon) / 1000.0) * average).ceil() as u64 + 1;
+                    prop_assert!(after <= bound, "{} in flight, bound {}", after, bound);
+                }
+                AffineOp::Release { k } if !running.is_empty() => {
+                    let (t, _) = running.remove(k % running.len());
+                    prop_assert!(pool.release(t, Outcome::Success, 0, 0).unwrap().is_empty());
+                }
+                AffineOp::Release { .. } => {}
+            }
+        }
+        let stats = pool.stats();
+        prop_assert_eq!(stats.affinity_hits + stats.affinity_spills, ticket);
+    }
+
+    /// Consistent hashing: removing an instance moves only the keys whose instance it was;
+    /// every other key keeps its instance.
+    #[test]
+    fn removing_an_instance_moves_only_its_keys(
+        ids in prop::collection::btree_set(any::<u64>(), 2..=8),
+        gone in any::<prop::sample::Index>(),
+        keys in prop::collection::vec(any::<u64>(), 1..64),
+    ) {
+        let ids: Vec<u64> = ids.into_iter().collect();
+        let mut pool = affine_pool(&ids, 250);
+        let gone = gone.index(ids.len());
+        let mut ticket = 0;
+        let mut home = |pool: &mut Pool, key: u64| {
+            ticket += 1;
+            let Ok(Admit::Granted(i)) = pool.submit(ticket, Priority::High, 0, 0, key, 0) else {
+                panic!("an idle pool grants at once");
+            };
+            // idle pool: the first choice, always
+            assert_eq!(pool.last_affinity(), Affinity::Hit);
+            pool.release(ticket, Outcome::Success, 0, 0).unwrap();
+            i
+        };
+        let keys: Vec<u64> = keys.into_iter().map(|k| k | 1).collect();
+        let before: Vec<usize> = keys.iter().map(|&k| home(&mut pool, k)).collect();
+        pool.remove_instance(gone).unwrap();
+        for (&key, &was) in keys.iter().zip(&before) {
+            let now = home(&mut pool, key);
+            prop_assert_ne!(now, gone);
+            if was != gone {
+                prop_assert_eq!(now, was, "key {} moved", key);
+            }
+        }
     }
 }

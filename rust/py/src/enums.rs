@@ -46,7 +46,13 @@ mirror_enum!(
         ROUND_ROBIN = RoundRobin,
         RANDOM = Random,
         P2C = P2c,
+        AFFINITY = Affinity,
     }
+);
+mirror_enum!(
+    /// Where an affinity-balanced grant landed: NONE (no key, or not an affinity pool), HIT
+    /// (its key's first choice on the ring) or SPILL (a later instance on the ring).
+    Affinity => Affinity { NONE = None, HIT = Hit, SPILL = Spill }
 );
 mirror_enum!(
     /// Circuit state of an instance.
@@ -80,6 +86,15 @@ impl Priority {
             Priority::HIGH => "high",
             Priority::LOW => "low",
         }
+    }
+}
+
+#[pymethods]
+impl Affinity {
+    /// The `X-Gateway-Affinity` value: "none", "hit" or "spill".
+    #[getter]
+    fn label(&self) -> &'static str {
+        core::Affinity::from(*self).as_str()
     }
 }
 

@@ -10,7 +10,7 @@ mod enums;
 mod matcher;
 mod pool;
 
-use enums::{Balancer, EventKind, InstanceState, Outcome, Policy, Priority};
+use enums::{Affinity, Balancer, EventKind, InstanceState, Outcome, Policy, Priority};
 use matcher::KeywordSet;
 use pool::{Event, InstanceInfo, Pool, PoolConfig, PoolStats};
 
@@ -95,6 +95,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Priority>()?;
     m.add_class::<Policy>()?;
     m.add_class::<Balancer>()?;
+    m.add_class::<Affinity>()?;
     m.add_class::<InstanceState>()?;
     m.add_class::<Outcome>()?;
     m.add_class::<EventKind>()?;

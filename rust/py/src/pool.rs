@@ -3,7 +3,7 @@
 use gateway_core as core;
 use pyo3::prelude::*;
 
-use crate::enums::{Balancer, EventKind, InstanceState, Outcome, Policy, Priority};
+use crate::enums::{Affinity, Balancer, EventKind, InstanceState, Outcome, Policy, Priority};
 use crate::CoreErr;
 
 /// One pool's scheduler settings (SPEC §8 `scheduler`, `balancer`, `health`).
@@ -21,6 +21,8 @@ pub struct PoolConfig {
     max_low_wait_ms: u64,
     overflow_high_to_low: bool,
     balancer: Balancer,
+    /// SPEC §15 `affinity.epsilon`, in whole thousandths.
+    affinity_epsilon: f64,
     failure_threshold: u32,
     ejection_ms: u64,
     max_ejection_ms: u64,
@@ -47,6 +49,7 @@ impl PoolConfig {
         max_low_wait_ms = None,
         overflow_high_to_low = None,
         balancer = None,
+        affinity_epsilon = None,
         failure_threshold = None,
         ejection_ms = None,
         max_ejection_ms = None,
@@ -67,6 +70,7 @@ impl PoolConfig {
         max_low_wait_ms: Option<u64>,
         overflow_high_to_low: Option<bool>,
         balancer: Option<Balancer>,
+        affinity_epsilon: Option<f64>,
         failure_threshold: Option<u32>,
         ejection_ms: Option<u64>,
         max_ejection_ms: Option<u64>,
@@ -87,6 +91,18 @@ impl PoolConfig {
             max_low_wait_ms: max_low_wait_ms.unwrap_or(d.selector.max_low_wait_ms),
             overflow_high_to_low: overflow_high_to_low.unwrap_or(d.overflow_high_to_low),
             balancer: balancer.unwrap_or(d.balancer.into()),
+            affinity_epsilon: match affinity_epsilon {
+                None => f64::from(d.affinity_epsilon_permille) / 1000.0,
+                Some(e) if e.is_finite() && (0.0..=1000.0).contains(&e) => {
+                    (e * 1000.0).round() / 1000.0
+                }
+                Some(_) => {
+                    return Err(core::CoreError::InvalidConfig(
+                        "affinity epsilon must be within [0, 1000]".into(),
+                    )
+                    .into())
+                }
+            },
             failure_threshold: failure_threshold.unwrap_or(d.health.failure_threshold),
             ejection_ms: ejection_ms.unwrap_or(d.health.ejection_ms),
             max_ejection_ms: max_ejection_ms.unwrap_or(d.health.max_ejection_ms),
@@ -116,6 +132,7 @@ impl PoolConfig {
             low_max_wait_ms: self.low_max_wait_ms,
             overflow_high_to_low: self.overflow_high_to_low,
             balancer: self.balancer.into(),
+            affinity_epsilon_permille: (self.affinity_epsilon * 1000.0).round() as u32,
             health: core::HealthConfig {
                 failure_threshold: self.failure_threshold,
                 ejection_ms: self.ejection_ms,
@@ -144,6 +161,10 @@ pub struct InstanceInfo {
     ejections: u64,
     half_open_trials: u32,
     removed: bool,
+    /// Requests the backend reports waiting (vLLM), as last set by `set_backend_load`.
+    backend_waiting: u32,
+    /// The backend's KV-cache usage in thousandths, as last set.
+    cache_permille: u16,
 }
 
 /// Cumulative counters of one pool.
@@ -156,6 +177,8 @@ pub struct PoolStats {
     cancelled: u64,
     rejected_full: u64,
     unservable: u64,
+    affinity_hits: u64,
+    affinity_spills: u64,
 }
 
 /// What the core decided about one waiting ticket.
@@ -167,14 +190,16 @@ pub struct Event {
     instance: Option<usize>,
     /// When the request may be tried again (`UNSERVABLE` only; 0 otherwise).
     retry_after_ms: u64,
+    /// Where a grant landed relative to its affinity key (`NONE` otherwise).
+    affinity: Affinity,
 }
 
 #[pymethods]
 impl Event {
     fn __repr__(&self) -> String {
         format!(
-            "Event(ticket={}, kind={:?}, instance={:?}, retry_after_ms={})",
-            self.ticket, self.kind, self.instance, self.retry_after_ms
+            "Event(ticket={}, kind={:?}, instance={:?}, retry_after_ms={}, affinity={:?})",
+            self.ticket, self.kind, self.instance, self.retry_after_ms, self.affinity
         )
     }
 }
@@ -197,6 +222,7 @@ fn encode(events: Vec<core::Event>) -> Events {
                 kind,
                 instance,
                 retry_after_ms,
+                affinity: e.affinity.into(),
             }
         })
         .collect()
@@ -223,8 +249,32 @@ impl Pool {
         Ok(self.inner.configure(config.to_core())?)
     }
 
-    fn add_instance(&mut self, max_concurrency: u32) -> Result<usize, CoreErr> {
-        Ok(self.inner.add_instance(max_concurrency)?)
+    /// Adds an instance; returns its index. `ring_id` places it on the affinity hash ring: a
+    /// stable identity such as a hash of its name (default: its index).
+    #[pyo3(signature = (max_concurrency, ring_id = None))]
+    fn add_instance(
+        &mut self,
+        max_concurrency: u32,
+        ring_id: Option<u64>,
+    ) -> Result<usize, CoreErr> {
+        Ok(self.inner.add_instance_with_id(max_concurrency, ring_id)?)
+    }
+
+    /// SPEC §15 "Backend load": what a vLLM backend reports of itself — requests waiting
+    /// and KV-cache usage in [0, 1] (rounded to thousandths; out of range is clamped, NaN is 0).
+    fn set_backend_load(
+        &mut self,
+        index: usize,
+        waiting: u32,
+        gpu_cache_usage: f64,
+    ) -> Result<(), CoreErr> {
+        let usage = if gpu_cache_usage.is_nan() {
+            0.0
+        } else {
+            gpu_cache_usage.clamp(0.0, 1.0)
+        };
+        let permille = (usage * 1000.0 + 0.5).floor() as u16;
+        Ok(self.inner.set_backend_load(index, waiting, permille)?)
     }
 
     fn set_max_concurrency(&mut self, index: usize, max_concurrency: u32) -> Result<(), CoreErr> {
@@ -237,8 +287,9 @@ impl Pool {
 
     /// Admits a request: returns the instance index when dispatched at once, `None` when it
     /// waits (`waiting_class` tells in which class). Raises `QueueFull` or
-    /// `NoHealthyInstance`. After a queued result, deliver `take_events()`.
-    #[pyo3(signature = (ticket, priority, now_ms, tenant = 0, excluded = 0))]
+    /// `NoHealthyInstance`. After a queued result, deliver `take_events()`. `affinity_key`
+    /// (0: none) places the request in an `AFFINITY` pool; `last_affinity()` then tells how.
+    #[pyo3(signature = (ticket, priority, now_ms, tenant = 0, excluded = 0, affinity_key = 0))]
     fn submit(
         &mut self,
         ticket: u64,
@@ -246,14 +297,24 @@ impl Pool {
         now_ms: u64,
         tenant: u32,
         excluded: u64,
+        affinity_key: u64,
     ) -> Result<Option<usize>, CoreErr> {
         let p = core::Priority::from(priority);
         Ok(
-            match self.inner.submit(ticket, p, tenant, excluded, now_ms)? {
+            match self
+                .inner
+                .submit(ticket, p, tenant, excluded, affinity_key, now_ms)?
+            {
                 core::Admit::Granted(i) => Some(i),
                 core::Admit::Queued(_) => None,
             },
         )
+    }
+
+    /// Where the latest grant landed relative to its affinity key — after a `submit` that
+    /// returned an instance, that request's decision.
+    fn last_affinity(&self) -> Affinity {
+        self.inner.last_affinity().into()
     }
 
     /// The class a waiting ticket waits in (a high request that found the high queue full
@@ -344,6 +405,7 @@ impl Pool {
     fn instance(&mut self, index: usize, now_ms: u64) -> Result<InstanceInfo, CoreErr> {
         let state = self.inner.instance_state(index, now_ms)?;
         let i = &self.inner.instances()[index];
+        let extra = self.inner.extra(index)?;
         let b = &i.breaker;
         Ok(InstanceInfo {
             state: state.into(),
@@ -356,6 +418,8 @@ impl Pool {
             ejections: b.ejections(),
             half_open_trials: b.trials(),
             removed: i.removed,
+            backend_waiting: extra.backend_waiting,
+            cache_permille: extra.cache_permille,
         })
     }
 
@@ -383,6 +447,8 @@ impl Pool {
             cancelled: s.cancelled,
             rejected_full: s.rejected_full,
             unservable: s.unservable,
+            affinity_hits: s.affinity_hits,
+            affinity_spills: s.affinity_spills,
         }
     }
 }

@@ -1,0 +1,232 @@
+"""Cluster mode's cost on the request path (SPEC §13: "No Redis round trip on the per-request
+path"): the same gateway config with and without `cluster:`, side by side in one run.
+
+Started here: a `redis-server` (free port, no persistence), the mock backend (`gateway mock`),
+and two gateway processes — `off` (no `cluster:` section) and `on` (a one-replica cluster on that
+Redis, with a per-key rpm limit far above the load so the leased-limit path runs too). The
+gateways are pinned to core 0; the mock, Redis and wrk to core 1. For each connection count wrk
+runs against `off` then `on` (order swapped every other round); we report req/s, p50/p99, the
+gateway process's CPU time per request (/proc, user + system) and on/off ratios, and Redis's
+own count of script calls (EVALSHA: the gateway's round trips to it) during each run divided
+by that run's requests — the background syncs only, two per `renew_ms` whatever the rate (the
+`off` row shows the idle `on` gateway's syncs during the `off` run: the same background).
+
+    .venv/bin/python benches/cluster.py --duration 8 --rounds 2
+
+Needs wrk, taskset and redis-server (Debian: apt-get install wrk util-linux redis-server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+BODY = (
+    '{"model":"m","messages":[{"role":"user","content":'
+    '"does this compile? int main(){return 0;}"}],"max_tokens":8}'
+)
+KEY = "sk-bench-0000001"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listening on {port}")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def redis_calls(port: int) -> int:
+    """Script calls Redis has answered so far (EVALSHA + EVAL in INFO commandstats): the
+    gateway's round trips to Redis."""
+    out = subprocess.run(
+        ["redis-cli", "-p", str(port), "INFO", "commandstats"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return sum(int(n) for n in re.findall(r"^cmdstat_eval(?:sha)?:calls=(\d+)", out, re.M))
+
+
+@dataclass
+class Result:
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    cpu_us: float
+    requests: int
+
+
+def latency(text: str, pct: str) -> float:
+    m = re.search(rf"^\s*{pct}%\s+([\d.]+)(us|ms|s)\s*$", text, re.M)
+    if not m:
+        return float("nan")
+    value, unit = float(m.group(1)), m.group(2)
+    return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
+
+
+def run_wrk(url: str, conns: int, duration: float, pid: int) -> Result:
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        body = BODY.replace('"', '\\"')
+        script.write(
+            f'wrk.method = "POST"\nwrk.body = "{body}"\n'
+            'wrk.headers["Content-Type"] = "application/json"\n'
+            f'wrk.headers["Authorization"] = "Bearer {KEY}"\n'
+        )
+    cpu0 = cpu_seconds(pid)
+    # fmt: off
+    cmd = [
+        "taskset", "-c", "1", "wrk", "-t1", f"-c{conns}", f"-d{max(1, round(duration))}s",
+        "--latency", "-s", script.name, url,
+    ]
+    # fmt: on
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    cpu1 = cpu_seconds(pid)
+    os.unlink(script.name)
+    if "Non-2xx" in out:
+        raise RuntimeError(f"errors from {url}:\n{out}")
+    total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    return Result(rps, latency(out, "50"), latency(out, "99"), (cpu1 - cpu0) / total * 1e6, total)
+
+
+def config(gw_port: int, mock_port: int, cluster: str) -> str:
+    return textwrap.dedent(f"""\
+        listen: {{host: 127.0.0.1, port: {gw_port}}}
+        pools:
+          p:
+            instances:
+              - {{name: a, url: "http://127.0.0.1:{mock_port}/v1", model: up,
+                  max_concurrency: 1000}}
+        models:
+          m: {{pool: p}}
+        auth:
+          keys:
+            - {{key: "{KEY}", name: bench, rpm: 100000000}}
+        {cluster}
+        """)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--duration", type=float, default=8.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    for tool in ("wrk", "taskset", "redis-server", "redis-cli"):
+        if not shutil.which(tool):
+            print(f"{tool} is required (apt-get install wrk util-linux redis-server)")
+            return 2
+    tmp = Path(tempfile.mkdtemp())
+    redis_port, mock_port, off_port, on_port = free_port(), free_port(), free_port(), free_port()
+    (tmp / "off.yaml").write_text(config(off_port, mock_port, ""))
+    cluster = f'cluster: {{redis_url: "redis://127.0.0.1:{redis_port}/0", replica_id: bench}}'
+    (tmp / "on.yaml").write_text(config(on_port, mock_port, cluster))
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(core: str, *cmd: str) -> subprocess.Popen[bytes]:
+        p = subprocess.Popen(
+            ["taskset", "-c", core, *cmd],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        procs.append(p)
+        return p
+
+    try:
+        # fmt: off
+        spawn("1", "redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
+              "--save", "", "--appendonly", "no", "--dir", str(tmp))
+        # fmt: on
+        spawn("1", PY, "-m", "gateway.cli", "mock", "--port", str(mock_port))
+        wait_port(redis_port)
+        wait_port(mock_port)
+        gw = {
+            name: spawn(
+                "0",
+                PY,
+                "-m",
+                "gateway.cli",
+                "serve",
+                "--config",
+                str(tmp / f"{name}.yaml"),
+                "--no-access-log",
+            )
+            for name in ("off", "on")
+        }
+        wait_port(off_port)
+        wait_port(on_port)
+        urls = {
+            "off": f"http://127.0.0.1:{off_port}/v1/chat/completions",
+            "on": f"http://127.0.0.1:{on_port}/v1/chat/completions",
+        }
+        for name in ("off", "on"):  # warm up: connections, and the lease grows to the load
+            run_wrk(urls[name], 64, 2.0, gw[name].pid)
+        print(
+            f"{'round':>5} {'conns':>5} {'mode':>4} {'req/s':>8} {'p50 ms':>7} {'p99 ms':>7}"
+            f" {'CPU us/req':>10} {'redis cmds/req':>14}"
+        )
+        for rnd in range(1, args.rounds + 1):
+            for conns in (64, 8, 1):
+                order = ("off", "on") if rnd % 2 else ("on", "off")
+                res: dict[str, Result] = {}
+                calls: dict[str, float] = {}
+                for name in order:
+                    before = redis_calls(redis_port)
+                    res[name] = run_wrk(urls[name], conns, args.duration, gw[name].pid)
+                    calls[name] = (redis_calls(redis_port) - before) / res[name].requests
+                for name in ("off", "on"):
+                    r = res[name]
+                    print(
+                        f"{rnd:5} {conns:5} {name:>4} {r.rps:8.0f} {r.p50_ms:7.2f} "
+                        f"{r.p99_ms:7.2f} {r.cpu_us:10.1f} {calls[name]:13.4f}",
+                        flush=True,
+                    )
+                on, off = res["on"], res["off"]
+                print(
+                    f"{'':5} {'':5} {'on/off':>6} {on.rps / off.rps:6.3f} "
+                    f"{on.p50_ms / off.p50_ms:7.3f} {on.p99_ms / off.p99_ms:7.3f} "
+                    f"{on.cpu_us / off.cpu_us:10.3f}",
+                    flush=True,
+                )
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

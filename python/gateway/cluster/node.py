@@ -1,0 +1,401 @@
+"""This replica's membership of the cluster (SPEC §13): the one background task that exchanges
+leases, rate-limit chunks and ejection hints with Redis, and what `/admin/state`, `/readyz` and
+`/metrics` show of it.
+
+Every `renew_ms` (sooner when a key ran out of allowance) the task runs, concurrently, one
+`LEASE_SYNC` per pool and one `RATE_SYNC` for every limited key — a handful of round trips per
+period whatever the request rate, and none on the request path: the ingress only ever touches
+the core's caps and masks (`local.LocalLeases`) and each key's local allowance
+(`ratelimit.LeasedLimits`).
+
+`Server` owns the task (start: one sync before listening; shutdown: after the drain, a last
+sync that gives every lease back, so the others need not wait `lease_ms` for it).
+
+With `--workers N` (SPEC §12, not built yet) the lease belongs to the host, not the process:
+one `ClusterNode` would run in the supervisor with `replica_id` naming the host, its reports
+summing the shared-memory pools' in-flight and queues, and `Pool.apply_leases` becoming a write
+of each instance's cap and mask into the shared state every worker admits from. Nothing else
+here changes: the seam is `Pool.apply_leases` / the pool snapshot, as now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway.cluster.hints import CONFIRM_GAP_S, HintTracker
+from gateway.cluster.leases import PoolLease
+from gateway.cluster.ratelimit import RateShare, RateSync
+from gateway.cluster.redis_state import RedisState, RedisUnavailable
+from gateway.config import Cluster
+from gateway.events import ProbeFinished
+from gateway.redact import REDACTOR
+from gateway.scheduler import now_ms
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+    from gateway.auth import KeyRing
+
+__all__ = ["ClusterNode"]
+
+log = logging.getLogger("gateway.cluster")
+
+# A nudge (a key out of allowance) brings the next sync forward, but not closer than this
+# fraction of `renew_ms` to the previous one.
+_NUDGE_MIN_FRACTION = 0.25
+_SYNC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class ClusterNode:
+    """One replica of a gateway cluster."""
+
+    def __init__(self, gateway: Gateway, settings: Cluster) -> None:
+        self.gw = gateway
+        self.settings = settings
+        self.replica = settings.replica_id
+        lease_ms, renew_ms = settings.lease_ms, settings.renew_ms
+        # Self-fence a quarter of a lease before Redis could expire it (2 s → 0.5 s).
+        self.margin_ms = lease_ms // 4
+        # A call that takes longer than this is as good as lost (and never blocks a fence).
+        self.redis = RedisState(
+            settings.redis_url, replica=self.replica, timeout_ms=max(50, min(lease_ms // 4, 1000))
+        )
+        self.pools: dict[str, PoolLease] = {}
+        self.hints = HintTracker()
+        self._wake = asyncio.Event()
+        self.rates = RateSync(RateShare(renew_ms / 1000, lease_ms / 1000, self._wake.set))
+        self.redis_up = False
+        self.failures = 0
+        self.last_error: str | None = None
+        self.last_latency_s: float | None = None
+        self._last_ok: float | None = None  # monotonic s of the last successful call
+        self._confirming: set[tuple[str, str]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        r = gateway.metrics.registry
+        self.sync_seconds = Histogram(
+            "gateway_cluster_sync_seconds",
+            "Duration of one lease or rate-limit sync with Redis",
+            ["kind"],
+            buckets=_SYNC_BUCKETS,
+            registry=r,
+        )
+        self.sync_failures = Counter(
+            "gateway_cluster_sync_failures", "Syncs with Redis that failed", ["kind"], registry=r
+        )
+        self.hint_count = Counter(
+            "gateway_cluster_hints",
+            "Ejection hints published to / received from other replicas",
+            ["direction"],
+            registry=r,
+        )
+        r.register(_ClusterCollector(self))
+        self.adopt_keys(gateway.keys)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """The first sync, before the replica listens (bounded by the client's timeouts)."""
+        await self.sync_once()
+
+    async def run(self) -> None:
+        """Syncs every `renew_ms` until cancelled."""
+        renew_s = self.settings.renew_ms / 1000
+        while True:
+            started = time.monotonic()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(renew_s):
+                    await self._wake.wait()
+            # A nudge: not sooner than a fraction of the period after the last sync.
+            rest = started + renew_s * _NUDGE_MIN_FRACTION - time.monotonic()
+            if rest > 0:
+                await asyncio.sleep(rest)
+            self._wake.clear()
+            try:
+                await self.sync_once()
+            except Exception:  # the loop must outlive anything: a fence is the fallback
+                log.exception("cluster sync failed")
+
+    async def close(self) -> None:
+        """Gives every lease back (a last sync marked `leave`), then closes the client."""
+        for task in list(self._tasks):
+            task.cancel()
+        for name in list(self.pools):
+            with contextlib.suppress(*RedisUnavailable):
+                await self.redis.lease_sync(name, self.replica, self.settings.lease_ms, 0, _LEAVE)
+        with contextlib.suppress(*RedisUnavailable):
+            await self.redis.close()
+
+    def adopt_keys(self, ring: KeyRing) -> None:
+        """SPEC §13 cluster-wide limits for the keys of a (new) key ring."""
+        self.rates.adopt(ring)
+
+    # ---- one sync --------------------------------------------------------------------------
+
+    async def sync_once(self) -> None:
+        pools = self.gw.runtime.pools
+        jobs = [self._sync_pool(name) for name in pools]
+        jobs.append(self._sync_rates())
+        for name in [n for n in self.pools if n not in pools]:
+            jobs.append(self._leave(name))  # a pool a reload removed
+        await asyncio.gather(*jobs)
+        self._update_static()
+
+    async def _sync_pool(self, name: str) -> None:
+        pool = self.gw.runtime.pools.get(name)
+        if pool is None:
+            return
+        lease = self.pools.get(name)
+        if lease is None:
+            c = self.settings
+            total_ms = self.gw.runtime.config.timeouts.total_ms
+            lease = self.pools[name] = PoolLease(name, c.lease_ms, self.margin_ms, total_ms)
+        snap = pool.snapshot()
+        payload = lease.payload(snap)
+        payload["h"] = self.hints.outgoing(name, snap)
+        sent = now_ms()
+        try:
+            reply = await self.redis.lease_sync(
+                name, self.replica, self.settings.lease_ms, lease.replicas or 0, payload
+            )
+        except RedisUnavailable as exc:
+            self._failed("lease", exc)
+            lease.failed(self.gw.runtime.pools.get(name), sent)
+            return
+        self._succeeded("lease", sent)
+        if lease.succeeded(self.gw.runtime.pools.get(name), reply, sent) and lease.shrank:
+            self._wake.set()  # report the smaller floor now: the others are waiting for it
+        self.hint_count.labels("published").inc(len(payload["h"]))
+        for instance in self.hints.incoming(name, reply.get("h"), now_ms()):
+            self.hint_count.labels("received").inc()
+            self._confirm(name, instance)
+
+    async def _sync_rates(self) -> None:
+        if not self.rates.limits:
+            return
+        sent = now_ms()
+        try:
+            await self.rates.sync(self.redis)
+        except RedisUnavailable as exc:
+            self._failed("rate", exc)
+            return
+        self._succeeded("rate", sent)
+
+    async def _leave(self, name: str) -> None:
+        self.pools.pop(name, None)
+        with contextlib.suppress(*RedisUnavailable):
+            await self.redis.lease_sync(name, self.replica, self.settings.lease_ms, 0, _LEAVE)
+
+    def _succeeded(self, kind: str, sent: int) -> None:
+        elapsed = (now_ms() - sent) / 1000
+        self.sync_seconds.labels(kind).observe(elapsed)
+        self.last_latency_s = elapsed
+        self._last_ok = time.monotonic()
+        if not self.redis_up:
+            log.info("cluster: Redis reachable", extra={"fields": {"replica": self.replica}})
+        self.redis_up = True
+        self.failures = 0
+
+    def _failed(self, kind: str, exc: BaseException) -> None:
+        self.sync_failures.labels(kind).inc()
+        self.failures += 1
+        self.last_error = REDACTOR.redact(f"{type(exc).__name__}: {exc}")[:200]
+        if self.redis_up or self.failures == 1:
+            log.warning(
+                "cluster: Redis sync failed",
+                extra={"fields": {"replica": self.replica, "error": self.last_error}},
+            )
+        self.redis_up = False
+
+    def _update_static(self) -> None:
+        """Rate limits follow the slots: static 1/N while any pool is on its static share."""
+        counts = [p.replicas for p in self.pools.values() if p.fail_static and p.replicas]
+        self.rates.set_static(max(counts) if counts else None)
+        live = [p.replicas for p in self.pools.values() if p.replicas]
+        self.rates.share.replicas = max(live) if live else 1
+
+    # ---- hints -----------------------------------------------------------------------------
+
+    def _confirm(self, pool_name: str, instance: str) -> None:
+        """Local probes for another replica's ejection hint (see `hints`)."""
+        key = (pool_name, instance)
+        if key in self._confirming or not self.gw.runtime.config.health.probe.enabled:
+            return
+        self._confirming.add(key)
+        task = asyncio.get_running_loop().create_task(self._probe_hinted(pool_name, instance))
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._tasks.discard(t)
+            self._confirming.discard(key)
+
+        task.add_done_callback(done)
+
+    async def _probe_hinted(self, pool_name: str, instance: str) -> None:
+        runtime = self.gw.runtime
+        health = runtime.config.health
+        for _ in range(health.failure_threshold):
+            pool = runtime.pools.get(pool_name)
+            found = [(i, u) for i, u in pool.live_upstreams() if u.name == instance] if pool else []
+            if pool is None or not found:
+                return
+            idx, up = found[0]
+            states = [i.state for i in pool.snapshot().instances if i.index == idx]
+            if states != ["healthy"]:
+                return  # already out here: local evidence decided
+            ok = await up.probe(health.probe.path, health.probe.timeout_ms / 1000)
+            if runtime.events:
+                runtime.events.publish(ProbeFinished(pool_name, instance, ok))
+            pool.record_probe(idx, ok)
+            if ok:
+                return
+            await asyncio.sleep(CONFIRM_GAP_S)
+
+    # ---- what people see -------------------------------------------------------------------
+
+    @property
+    def joined(self) -> bool:
+        """Whether every pool had a lease at least once."""
+        return bool(self.pools) and all(p.replicas is not None for p in self.pools.values())
+
+    @property
+    def fail_static(self) -> bool:
+        return any(p.fail_static for p in self.pools.values())
+
+    @property
+    def fenced(self) -> bool:
+        return any(pool.snapshot().lease_fenced for pool in self.gw.runtime.pools.values())
+
+    @property
+    def status(self) -> str:
+        """`ok`, `degraded` (Redis unreachable, fenced or on the static share: SPEC §13
+        "reports `cluster: degraded`") or `joining` (no lease yet: not ready)."""
+        if not self.joined:
+            return "joining"
+        if self.fail_static or self.fenced or self.failures >= 2:
+            return "degraded"
+        return "ok"
+
+    def state(self) -> dict[str, Any]:
+        """The `cluster` block of /admin/state (SPEC §13: "replicas seen, each instance's lease
+        per replica")."""
+        seen: set[str] = set()
+        pools: dict[str, Any] = {}
+        for name, pool in self.gw.runtime.pools.items():
+            lease = self.pools.get(name)
+            snap = pool.snapshot()
+            view = lease.view if lease is not None else {}
+            seen.update(view)
+            instances: dict[str, Any] = {}
+            for inst in snap.instances:
+                if inst.removed:
+                    continue
+                instances[inst.name] = {
+                    "max_concurrency": inst.max_concurrency,
+                    "lease": inst.lease,
+                    "in_flight": inst.in_flight,
+                    "replicas": {
+                        r: {"lease": row[inst.name][0], "in_flight": row[inst.name][1]}
+                        for r, row in sorted(view.items())
+                        if inst.name in row
+                    },
+                }
+            pools[name] = {
+                "replicas": lease.replicas if lease is not None else None,
+                "recovering": lease.recovering if lease is not None else False,
+                "fenced": snap.lease_fenced,
+                "fail_static": lease.fail_static if lease is not None else False,
+                "waiting_for_lease": snap.lease_waiting,
+                "instances": instances,
+            }
+        age = None if self._last_ok is None else round(time.monotonic() - self._last_ok, 3)
+        latency = self.last_latency_s
+        return {
+            "replica_id": self.replica,
+            "status": self.status,
+            "degraded": self.status == "degraded",
+            "redis": {
+                "up": self.redis_up,
+                "consecutive_failures": self.failures,
+                "last_error": self.last_error,
+                "last_ok_age_s": age,
+            },
+            "sync": {
+                "lease_ms": self.settings.lease_ms,
+                "renew_ms": self.settings.renew_ms,
+                "last_latency_ms": None if latency is None else round(latency * 1000, 3),
+            },
+            "replicas_seen": sorted(seen),
+            "pools": pools,
+            "hints": {
+                "published": self.hints.published,
+                "received": self.hints.received,
+                "active": [
+                    {"pool": p, "instance": i, "reporter": r, "remaining_ms": ms}
+                    for p, i, r, ms in self.hints.active
+                ],
+            },
+            "rate_limits": dict(self.rates.view()),
+        }
+
+
+_LEAVE: dict[str, Any] = {"i": {}, "h": {}, "leave": True}
+
+
+class _ClusterCollector(Collector):
+    """SPEC §13 gauges, read at scrape time: leases, replicas, Redis up, fail-static."""
+
+    def __init__(self, node: ClusterNode) -> None:
+        self._node = node
+
+    def collect(self) -> Iterator[Any]:
+        node = self._node
+        mine = GaugeMetricFamily(
+            "gateway_cluster_lease_slots",
+            "Slots of each instance this replica holds (its local cap)",
+            labels=["pool", "instance"],
+        )
+        theirs = GaugeMetricFamily(
+            "gateway_cluster_replica_lease_slots",
+            "Slots of each instance held per replica, as of the last sync",
+            labels=["pool", "instance", "replica"],
+        )
+        replicas = GaugeMetricFamily(
+            "gateway_cluster_replicas", "Live replicas seen at the last sync", labels=["pool"]
+        )
+        for name, pool in node.gw.runtime.pools.items():
+            for inst in pool.snapshot().instances:
+                if not inst.removed and inst.lease is not None:
+                    mine.add_metric([name, inst.name], inst.lease)
+            lease = node.pools.get(name)
+            if lease is None:
+                continue
+            if lease.replicas is not None:
+                replicas.add_metric([name], lease.replicas)
+            for replica, row in lease.view.items():
+                for instance, (held, _) in row.items():
+                    theirs.add_metric([name, instance, replica], held)
+        yield from (mine, theirs, replicas)
+        flags = (
+            ("gateway_cluster_redis_up", "1 if the last sync with Redis succeeded", node.redis_up),
+            (
+                "gateway_cluster_fail_static",
+                "1 while a pool runs on the static share (Redis unreachable)",
+                node.fail_static,
+            ),
+            ("gateway_cluster_fenced", "1 while a pool is self-fenced", node.fenced),
+            (
+                "gateway_cluster_degraded",
+                "1 while /readyz reports cluster: degraded",
+                node.status == "degraded",
+            ),
+        )
+        for metric, doc, value in flags:
+            yield GaugeMetricFamily(metric, doc, value=1.0 if value else 0.0)

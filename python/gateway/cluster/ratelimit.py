@@ -1,0 +1,259 @@
+"""Cluster-wide per-key limits (SPEC §13: "Per-key `rpm`/`tpm` limits are cluster-wide"), by
+leased token chunks from a central bucket — with no Redis call per request.
+
+Each limited key has, per dimension (requests, tokens), a central token bucket in Redis with
+the local limiter's semantics (a minute's worth of burst, refilled continuously; see
+`scripts.RATE_SYNC`). A replica admits only from the allowance it holds: `admit` spends it,
+exactly like the local bucket, and the background sync tops it up by taking chunks from the
+central bucket (or gives surplus back). The chunk it asks for follows its demand: what it
+spent per second over the last sync times two sync periods, plus whatever it refused, at least
+a standing allowance of `lease_ms` worth of the rate (so a lone request never waits for a
+sync, and while the central bucket is full a part of it, so a burst passes at once). That is
+the "leased chunks" row of the design's comparison: **never over the limit**
+(every admitted request was paid from the central bucket), under-use bounded by the chunks
+held; a replica that dies takes its unspent chunk with it (under-use, never excess).
+
+Headers stay OpenAI's `x-ratelimit-*`: the limit as configured, remaining = this replica's
+allowance plus the central level last seen (refilled since), reset = until that is full; a
+429 carries `Retry-After` = the time until the tokens it lacks exist anywhere, at least one
+sync period. TPM reserves the estimate at admission and settles with `usage`, as locally.
+
+Redis unreachable: each replica refills its own allowance at `rate / N_last` (the static
+share of SPEC §13, as for slots), capped at `limit / N_last`; back on Redis it returns what it
+holds beyond its demand.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gateway.limits import KeyLimits, RateLimited, _Bucket, _reset_text
+
+if TYPE_CHECKING:
+    from gateway.auth import KeyRing
+    from gateway.cluster.redis_state import RedisState
+
+__all__ = ["LeasedLimits", "RateShare", "RateSync"]
+
+
+@dataclass(slots=True)
+class RateShare:
+    """What every leased limit of the replica shares: the sync period, how to ask for a sync
+    now, and the static divisor while Redis is unreachable."""
+
+    interval_s: float
+    standing_s: float
+    nudge: Callable[[], None]
+    static_replicas: int | None = None
+    #: Live replicas at the last lease sync: an idle key's central bucket is shared among them.
+    replicas: int = 1
+
+
+@dataclass(slots=True)
+class _Dim:
+    """One leased dimension of a key: its local bucket's level is the allowance held."""
+
+    suffix: str  # "r" requests, "t" tokens
+    bucket: _Bucket
+    central: float
+    central_at: float
+    used: float = 0.0
+    refused: float = 0.0
+    asked: float = 0.0
+
+    @property
+    def limit(self) -> float:
+        return self.bucket.per_minute
+
+    def central_now(self, now: float, static: bool) -> float:
+        if static:
+            return 0.0
+        return min(self.limit, self.central + (now - self.central_at) * self.limit / 60)
+
+
+class LeasedLimits(KeyLimits):
+    """A key's limits spent from leased chunks (`KeyLimits`' interface, so the ingress and the
+    key ring are unchanged)."""
+
+    def __init__(self, name: str, rpm: int | None, tpm: int | None, share: RateShare) -> None:
+        super().__init__(rpm, tpm)
+        self.name = name
+        self._share = share
+        now = time.monotonic()
+        self._dims: dict[str, _Dim] = {}
+        for suffix, bucket in (("r", self._requests), ("t", self._tokens)):
+            if bucket is not None:
+                bucket.level, bucket.stamp = 0.0, now  # nothing held until the first chunk
+                self._dims[suffix] = _Dim(suffix, bucket, bucket.per_minute, now)
+
+    # ---- the request path (no I/O) ---------------------------------------------------------
+
+    def admit(self, estimate: int) -> tuple[int, dict[str, str]]:
+        now = time.monotonic()
+        if self._share.static_replicas:
+            self._refill_static(now)
+        req, tok = self._dims.get("r"), self._dims.get("t")
+        if tok is not None:
+            estimate = min(estimate, int(tok.limit))
+        wait, which = 0.0, ""
+        if req is not None and req.bucket.level < 1:
+            wait, which = self._wait(req, 1, now), "requests"
+        if tok is not None and tok.bucket.level < estimate:
+            tok_wait = self._wait(tok, estimate, now)
+            if tok_wait > wait or not which:
+                wait, which = tok_wait, "tokens"
+        if which:
+            if req is not None:
+                req.refused += 1
+            if tok is not None:
+                tok.refused += estimate
+            self._share.nudge()
+            raise RateLimited(which, wait, self._headers_at(now))
+        if req is not None:
+            req.bucket.level -= 1
+            req.used += 1
+        if tok is not None:
+            tok.bucket.level -= estimate
+            tok.used += estimate
+        return estimate, self._headers_at(now)
+
+    def reconcile(self, charged: int, actual: int | None) -> None:
+        tok = self._dims.get("t")
+        if tok is None or actual is None:
+            return
+        tok.bucket.level = min(tok.limit, tok.bucket.level + charged - actual)
+        tok.used += actual - charged
+
+    def _wait(self, dim: _Dim, need: float, now: float) -> float:
+        """Seconds until `need` exists anywhere (here or centrally), at least one sync."""
+        static = self._share.static_replicas
+        rate = dim.limit / (static or 1)
+        have = dim.bucket.level + dim.central_now(now, bool(static))
+        return max(self._share.interval_s, (need - have) * 60 / rate)
+
+    def _headers_at(self, now: float) -> dict[str, str]:
+        static = bool(self._share.static_replicas)
+        h: dict[str, str] = {}
+        for name, suffix in (("requests", "r"), ("tokens", "t")):
+            dim = self._dims.get(suffix)
+            if dim is None:
+                continue
+            left = min(dim.limit, max(0.0, dim.bucket.level + dim.central_now(now, static)))
+            h[f"x-ratelimit-limit-{name}"] = str(int(dim.limit))
+            h[f"x-ratelimit-remaining-{name}"] = str(math.floor(left))
+            h[f"x-ratelimit-reset-{name}"] = _reset_text((dim.limit - left) * 60 / dim.limit)
+        return h
+
+    def _refill_static(self, now: float) -> None:
+        """Redis unreachable: this replica's 1/N of the rate, refilled locally."""
+        n = self._share.static_replicas or 1
+        for dim in self._dims.values():
+            b = dim.bucket
+            cap = dim.limit / n
+            grown = b.level + (now - b.stamp) * dim.limit / n / 60
+            b.level = max(b.level, min(cap, grown))
+            b.stamp = now
+
+    # ---- the sync's side -------------------------------------------------------------------
+
+    def restamp(self, now: float) -> None:
+        for dim in self._dims.values():
+            dim.bucket.stamp = now
+
+    def exchange(self, elapsed_s: float) -> list[tuple[str, int, float]]:
+        """What to take (> 0) or give back (< 0) per dimension at this sync. Given-back
+        allowance leaves at once (if the call fails it is lost: under-use, never excess)."""
+        out: list[tuple[str, int, float]] = []
+        share = self._share
+        for dim in self._dims.values():
+            spent_rate = dim.used / max(elapsed_s, 1e-3)
+            # A standing allowance: `lease_ms` of the rate, or while the central bucket is full
+            # of unused tokens a half of this replica's part of them (bursts pass at once).
+            standing = max(dim.limit / 60 * share.standing_s, dim.central / 2 / share.replicas)
+            desired = min(dim.limit, max(standing, spent_rate * 2 * share.interval_s) + dim.refused)
+            have = dim.bucket.level
+            delta = 0.0
+            if have < desired:
+                delta = desired - have
+            elif have > 2 * desired:
+                delta = desired - have
+                dim.bucket.level = desired
+            dim.used = dim.refused = 0.0
+            dim.asked = delta
+            out.append((f"{self.name}|{dim.suffix}", int(dim.limit), round(delta, 6)))
+        return out
+
+    def settle(self, results: list[Any], now: float) -> None:
+        """The script's `[granted, central level]` per dimension, in `exchange`'s order."""
+        for dim, (granted, central) in zip(self._dims.values(), results, strict=True):
+            dim.bucket.level += float(granted)
+            dim.central, dim.central_at = float(central), now
+
+    def view(self) -> dict[str, Any]:
+        now = time.monotonic()
+        static = bool(self._share.static_replicas)
+        names = {"r": "requests", "t": "tokens"}
+        return {
+            names[d.suffix]: {
+                "limit_per_minute": int(d.limit),
+                "allowance": round(d.bucket.level, 3),
+                "central": round(d.central_now(now, static), 3),
+            }
+            for d in self._dims.values()
+        }
+
+
+@dataclass(slots=True)
+class RateSync:
+    """Every leased limit of the replica, and their one script call per sync."""
+
+    share: RateShare
+    limits: dict[str, LeasedLimits] = field(default_factory=dict)
+    _last: float = field(default_factory=time.monotonic)
+
+    def adopt(self, ring: KeyRing) -> None:
+        """Turns the ring's limited keys into leased ones (right after the ring is built, before
+        any request can use it)."""
+        current: dict[str, LeasedLimits] = {}
+        for tenant in ring.tenants:
+            limits = tenant.limits
+            if limits is None:
+                continue
+            if not isinstance(limits, LeasedLimits):
+                limits = LeasedLimits(tenant.name, limits.rpm, limits.tpm, self.share)
+                tenant.limits = limits
+            current[tenant.name] = limits
+        self.limits = current
+
+    async def sync(self, redis: RedisState) -> None:
+        if not self.limits:
+            return
+        now = time.monotonic()
+        elapsed, self._last = now - self._last, now
+        plan = [(lim, lim.exchange(elapsed)) for lim in self.limits.values()]
+        reply = await redis.rate_sync([e for _, entries in plan for e in entries])
+        results = reply.get("r")
+        flat = results if isinstance(results, list) else []
+        if len(flat) != sum(len(entries) for _, entries in plan):
+            raise ValueError("rate script answered a different number of buckets")
+        at = time.monotonic()
+        i = 0
+        for lim, entries in plan:
+            lim.settle(flat[i : i + len(entries)], at)
+            i += len(entries)
+
+    def set_static(self, replicas: int | None) -> None:
+        """Redis unreachable (`replicas` = the last known count) or back (`None`)."""
+        if replicas == self.share.static_replicas:
+            return
+        self.share.static_replicas = replicas
+        now = time.monotonic()
+        for lim in self.limits.values():
+            lim.restamp(now)
+
+    def view(self) -> Mapping[str, Any]:
+        return {name: lim.view() for name, lim in self.limits.items()}
