@@ -70,9 +70,10 @@ class BatchService:
     async def open(self) -> Store:
         """The store, opened (created if need be, and its batches resumed) on first use: an
         upload is what creates it."""
-        store = await self.existing()
-        if store is not None:
-            return store
+        if self.store is not None:
+            if self.store.path != self.path:
+                log.warning("batch.store changed: the new path applies after a restart")
+            return self.store
         async with self._opening:
             if self.store is None:
                 if self._closed:
@@ -84,11 +85,7 @@ class BatchService:
     async def existing(self) -> Store | None:
         """The store if there is one (opened on first use); None while none was ever created
         — a read never creates it (no file in the working directory for a mere `GET`)."""
-        if self.store is not None:
-            if self.store.path != self.path:
-                log.warning("batch.store changed: the new path applies after a restart")
-            return self.store
-        if not await asyncio.to_thread(os.path.exists, self.path):
+        if self.store is None and not await asyncio.to_thread(os.path.exists, self.path):
             return None
         return await self.open()
 

@@ -286,6 +286,8 @@ class _Db:
             stale.unlink(missing_ok=True)
         self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=True)
         c = self.conn
+        # Before the first table exists (a new file only): freed pages can be given back.
+        c.execute("PRAGMA auto_vacuum=INCREMENTAL")
         c.execute("PRAGMA journal_mode=WAL")
         c.execute("PRAGMA synchronous=NORMAL")
         c.execute("PRAGMA busy_timeout=5000")
@@ -602,6 +604,9 @@ class _Db:
             )
             c.execute("DELETE FROM lines WHERE batch_seq=?", (seq,))
             c.execute("DELETE FROM results WHERE batch_seq=?", (seq,))
+        # The finished batch's pages go back to the file system (SPEC §16: nothing grows
+        # without bound; the database holds unfinished work only).
+        self.conn.executescript("PRAGMA incremental_vacuum;")  # steps it to the end
         return self.batch(seq)
 
     def _write_outputs(
