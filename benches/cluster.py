@@ -5,13 +5,14 @@ Started here: a `redis-server` (free port, no persistence), the mock backend (`g
 and two gateway processes — `off` (no `cluster:` section) and `on` (a one-replica cluster on that
 Redis, with a per-key rpm limit far above the load so the leased-limit path runs too). The
 gateways are pinned to core 0; the mock, Redis and wrk to core 1. For each connection count wrk
-runs against `off` then `on` (order swapped every other round); we report req/s, p50/p99, the
-gateway process's CPU time per request (/proc, user + system) and on/off ratios, and Redis's
-own count of script calls (EVALSHA: the gateway's round trips to it) during each run divided
-by that run's requests — the background syncs only, two per `renew_ms` whatever the rate (the
-`off` row shows the idle `on` gateway's syncs during the `off` run: the same background).
+runs against `off` and `on` alternately, `--rounds` times each (which goes first alternates), and
+we report the medians of req/s, p50/p99 and the gateway process's CPU time per request (/proc,
+user + system), their on/off ratios, and Redis's own count of script calls (EVALSHA: the
+gateway's round trips to it) during each run divided by that run's requests — the background
+syncs only, two per `renew_ms` whatever the rate (the `off` row shows the idle `on` gateway's
+syncs during the `off` run: the same background).
 
-    .venv/bin/python benches/cluster.py --duration 8 --rounds 2
+    .venv/bin/python benches/cluster.py --duration 3 --rounds 6
 
 Needs wrk, taskset and redis-server (Debian: apt-get install wrk util-linux redis-server).
 """
@@ -118,6 +119,56 @@ def run_wrk(url: str, conns: int, duration: float, pid: int) -> Result:
     return Result(rps, latency(out, "50"), latency(out, "99"), (cpu1 - cpu0) / total * 1e6, total)
 
 
+def alternate(
+    urls: dict[str, str],
+    gw: dict[str, subprocess.Popen[bytes]],
+    redis_port: int,
+    conns: int,
+    duration: float,
+    i: int,
+) -> dict[str, tuple[Result, float]]:
+    """One `off` run and one `on` run back to back (which goes first alternates), each with
+    the Redis round trips per request made meanwhile."""
+    out: dict[str, tuple[Result, float]] = {}
+    for name in ("off", "on") if i % 2 == 0 else ("on", "off"):
+        before = redis_calls(redis_port)
+        res = run_wrk(urls[name], conns, duration, gw[name].pid)
+        out[name] = (res, (redis_calls(redis_port) - before) / res.requests)
+    return out
+
+
+def report(conns: int, runs: list[dict[str, tuple[Result, float]]]) -> None:
+    """Medians over the alternations, and on/off ratios of the medians."""
+
+    def med(name: str, field: str) -> float:
+        values = sorted(getattr(run[name][0], field) for run in runs)
+        return (
+            values[len(values) // 2]
+            if len(values) % 2
+            else sum(values[len(values) // 2 - 1 : len(values) // 2 + 1]) / 2
+        )
+
+    def rtt(name: str) -> float:
+        return max(run[name][1] for run in runs)
+
+    print(f"\n{conns} connections, {len(runs)} alternating runs of each, medians")
+    print(
+        f"{'mode':>6} {'req/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'CPU us/req':>10}"
+        f" {'Redis RTT/req (max)':>20}"
+    )
+    for name in ("off", "on"):
+        print(
+            f"{name:>6} {med(name, 'rps'):8.0f} {med(name, 'p50_ms'):7.2f} "
+            f"{med(name, 'p99_ms'):7.2f} {med(name, 'cpu_us'):10.1f} {rtt(name):20.4f}"
+        )
+    ratio = {f: med("on", f) / med("off", f) for f in ("rps", "p50_ms", "p99_ms", "cpu_us")}
+    print(
+        f"{'on/off':>6} {ratio['rps']:8.3f} {ratio['p50_ms']:7.3f} {ratio['p99_ms']:7.3f} "
+        f"{ratio['cpu_us']:10.3f}",
+        flush=True,
+    )
+
+
 def config(gw_port: int, mock_port: int, cluster: str) -> str:
     return textwrap.dedent(f"""\
         listen: {{host: 127.0.0.1, port: {gw_port}}}
@@ -137,8 +188,8 @@ def config(gw_port: int, mock_port: int, cluster: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--duration", type=float, default=8.0)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--duration", type=float, default=3.0, help="seconds per wrk run")
+    ap.add_argument("--rounds", type=int, default=6, help="off/on alternations per case")
     args = ap.parse_args()
     for tool in ("wrk", "taskset", "redis-server", "redis-cli"):
         if not shutil.which(tool):
@@ -190,33 +241,14 @@ def main() -> int:
         }
         for name in ("off", "on"):  # warm up: connections, and the lease grows to the load
             run_wrk(urls[name], 64, 2.0, gw[name].pid)
-        print(
-            f"{'round':>5} {'conns':>5} {'mode':>4} {'req/s':>8} {'p50 ms':>7} {'p99 ms':>7}"
-            f" {'CPU us/req':>10} {'redis cmds/req':>14}"
-        )
-        for rnd in range(1, args.rounds + 1):
-            for conns in (64, 8, 1):
-                order = ("off", "on") if rnd % 2 else ("on", "off")
-                res: dict[str, Result] = {}
-                calls: dict[str, float] = {}
-                for name in order:
-                    before = redis_calls(redis_port)
-                    res[name] = run_wrk(urls[name], conns, args.duration, gw[name].pid)
-                    calls[name] = (redis_calls(redis_port) - before) / res[name].requests
-                for name in ("off", "on"):
-                    r = res[name]
-                    print(
-                        f"{rnd:5} {conns:5} {name:>4} {r.rps:8.0f} {r.p50_ms:7.2f} "
-                        f"{r.p99_ms:7.2f} {r.cpu_us:10.1f} {calls[name]:13.4f}",
-                        flush=True,
-                    )
-                on, off = res["on"], res["off"]
-                print(
-                    f"{'':5} {'':5} {'on/off':>6} {on.rps / off.rps:6.3f} "
-                    f"{on.p50_ms / off.p50_ms:7.3f} {on.p99_ms / off.p99_ms:7.3f} "
-                    f"{on.cpu_us / off.cpu_us:10.3f}",
-                    flush=True,
-                )
+        for conns in (64, 8, 1):
+            report(
+                conns,
+                [
+                    alternate(urls, gw, redis_port, conns, args.duration, i)
+                    for i in range(args.rounds)
+                ],
+            )
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)

@@ -42,10 +42,17 @@ class HintTracker:
     received: int = 0
     #: The hints of other replicas in force at the last sync: (pool, instance, reporter, ms).
     active: list[tuple[str, str, str, int]] = field(default_factory=list)
+    #: pool → hints whose sync failed, sent with the next one.
+    _unsent: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def unsent(self, pool: str, hints: dict[str, int]) -> None:
+        """The sync carrying `hints` failed: they go with the next one."""
+        self._unsent.setdefault(pool, {}).update(hints)
+        self.published -= len(hints)
 
     def outgoing(self, pool: str, snap: PoolSnapshot) -> dict[str, int]:
         """Instances this replica ejected since the last look → hint TTL in ms."""
-        out: dict[str, int] = {}
+        out: dict[str, int] = self._unsent.pop(pool, {})
         for inst in snap.instances:
             key = (pool, inst.name)
             before = self._ejections.get(key)

@@ -7,7 +7,8 @@ The protocol (the script is `scripts.LEASE_SYNC`; the local enforcement `local.L
   cap): everything this replica may have in flight by the time the answer lands, so Redis never
   accounts for less than can run. `want` follows demand (SPEC §13 "Shares follow demand"):
   in-flight, plus the pool's queued requests spread over the instances by capacity, plus a
-  quarter of headroom (at least one slot: the idle baseline).
+  quarter of headroom (at least one slot). What nobody wants the script splits evenly (the
+  idle baseline), so a replica admits a burst at once up to its share.
 - **Apply** only a fresh answer: the lease is valid until `sent + lease_ms − margin` on the
   monotonic clock, measured from *sending* — Redis renewed it later than that, so the replica
   stops (self-fences, in `LocalLeases`) before Redis can hand its slots to another. An answer
@@ -79,6 +80,7 @@ class PoolLease:
     view: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     #: Monotonic ms the static share began (None: not in it).
     static_since: int | None = None
+    #: Whether the last fresh answer lowered a lease (the node then syncs again at once).
     shrank: bool = False
 
     @property
@@ -89,11 +91,13 @@ class PoolLease:
         return {"i": demand_of(snap)}
 
     def succeeded(self, pool: Pool | None, reply: dict[str, Any], sent: int) -> bool:
-        """Takes an answer sent at `sent`; applies it if still fresh. Returns whether it was."""
-        self.failures = 0
+        """Takes an answer sent at `sent`; applies it if still fresh. Returns whether it was
+        (a stale one counts as a failed attempt: Redis too slow to lease from)."""
         expiry = sent + self.lease_ms - self.margin_ms
         if now_ms() >= expiry:
-            return False  # too late to trust: the lease it renewed may be gone already
+            self.failed(pool, sent)  # too late to trust: the lease it renewed may be gone
+            return False
+        self.failures = 0
         self.recovering = bool(reply.get("rec"))
         n = int(reply.get("n", 0))
         # The replica count is what the static share and the recovery clamp divide by: while
@@ -108,7 +112,7 @@ class PoolLease:
         self.targets = (
             {str(k): int(v) for k, v in targets.items()} if isinstance(targets, dict) else {}
         )
-        #: A lease that shrank is reported again at once, so Redis frees it for the others.
+        # A lease that shrank is reported again at once, so Redis frees it for the others.
         self.shrank = any(self.targets.get(k, 0) < v for k, v in before.items())
         self.last_ok_sent = sent
         self.static_since = None

@@ -167,6 +167,7 @@ class ClusterNode:
             )
         except RedisUnavailable as exc:
             self._failed("lease", exc)
+            self.hints.unsent(name, payload["h"])
             lease.failed(self.gw.runtime.pools.get(name), sent)
             return
         self._succeeded("lease", sent)

@@ -30,8 +30,11 @@ share). Keys: `leases` (HASH replica → JSON {instance: [held, want, in_flight,
      (SPEC §13 "a busy replica gets more of an idle one's share within about one renew
      period"; a replica whose lease shrank syncs again at once to hand it over);
    - target = min(share, free) (≥ 0), clamped in a recovery window;
-   - held = max(floor, target): Σ held ≤ C whenever every replica reports truthfully; the
-     caller's cap rises only once Redis accounted for it, and falls locally first.
+   - held = max(floor, target). Σ target ≤ C always (each is at most what the others hold
+     left free), and so Σ held, unless a replica reports more in flight than its lease (a
+     replica resumed from SIGSTOP with old requests still running): then nobody grows until
+     that drains. A replica's cap rises only once Redis accounted for it, and falls locally
+     first.
 5. Hints: record the caller's new ejections with their TTL, drop expired ones, return the
    others' (SPEC §13 "An ejection seen by one replica is shared as a hint").
 6. Every key expires four leases after the last sync of anyone: if every replica is gone, so
@@ -49,7 +52,7 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["LEASE_SYNC", "RATE_SYNC", "lease_keys"]
+__all__ = ["LEASE_SYNC", "RATE_KEY", "RATE_SYNC", "lease_keys"]
 
 
 def lease_keys(pool: str) -> list[str]:
