@@ -631,8 +631,7 @@ class Gateway:
 
     def _observe(self, ex: Exchange) -> None:
         d = ex.decision
-        priority = (ex.waited_as or d.priority).label if d is not None else None
-        self.metrics.request_done(ex.pool or (d.pool if d else None), priority, ex.status)
+        self.metrics.request_done(ex.pool or (d.pool if d else None), ex.priority_label, ex.status)
         if ex.span is not None:
             ex.span.end(ex)
 
@@ -647,7 +646,7 @@ class Gateway:
             id=ex.request_id,
             pool=ex.pool,
             instance=ex.instance,
-            priority=(ex.waited_as or d.priority).label if d else None,
+            priority=ex.priority_label,
             complexity=d.complexity if d else None,
             rule=d.complexity_rule if d else None,
             queue_ms=round(ex.queue_ms, 1),
