@@ -32,6 +32,7 @@ from prometheus_client.openmetrics.parser import (
 from gateway import telemetry
 from gateway.config import Config, parse_config
 from gateway.errors import QueueFull, QueueTimeout
+from gateway.exchange import Attempt
 from gateway.metrics import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE, Metrics
 from gateway.telemetry import RequestSpan, Tracing
 from gateway.upstream import AttemptError
@@ -87,6 +88,8 @@ def _exchange(**kw: Any) -> Any:
         "waited_as": None,
     }
     base.update(kw)
+    # Per-attempt findings live in the exchange's `Attempt`; `usage` is read through it too.
+    base["attempt"] = Attempt(ttfb=base.pop("ttfb"), usage=base["usage"])
     return SimpleNamespace(**base)
 
 

@@ -12,7 +12,20 @@ from gateway.router import Decision
 if TYPE_CHECKING:
     from gateway.telemetry import RequestSpan
 
-__all__ = ["Exchange"]
+__all__ = ["Attempt", "Exchange"]
+
+
+@dataclass(slots=True)
+class Attempt:
+    """What one attempt on one instance learned. The forwarder makes a fresh one for every
+    attempt, so a retry never sees what the previous attempt found."""
+
+    # Time to first byte (the head, or for a stream its first chunk), seconds.
+    ttfb: float | None = None
+    # The upstream's `usage` (from the body, or the stream's last usage chunk).
+    usage: dict[str, Any] | None = None
+    # Why the attempt failed after the response started (for /admin/state).
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -31,17 +44,14 @@ class Exchange:
     waited_as: Priority | None = None
     status: int = 0
     error: str | None = None
-    usage: dict[str, Any] | None = None
-    # The current attempt's time to first byte (head, or first stream chunk), seconds.
-    ttfb: float | None = None
+    # The current (or last) attempt's findings; `None` before the first attempt.
+    attempt: Attempt | None = None
     limit_headers: dict[str, str] | None = None
     spilled_from: str | None = None
     # SPEC §15: the request's affinity key (0: none) and where its attempt landed relative to
     # it — `hit`, `spill` or `none` (`X-Gateway-Affinity`).
     affinity_key: int = 0
     affinity: str = "none"
-    # Why the current attempt failed after the response started (for /admin/state).
-    attempt_error: str | None = None
     # Who asked: "http" (a client), or "batch" (a Batch API line run by the gateway itself).
     source: str = "http"
     # Tracing (gateway.telemetry), when on: the request's span, its trace id when sampled
@@ -50,11 +60,11 @@ class Exchange:
     trace_id: str | None = None
     trace_headers: bytes = b""
 
-    def begin_attempt(self) -> None:
-        """Forgets what the previous attempt learned (a retry starts afresh)."""
-        self.ttfb = None
-        self.usage = None
-        self.attempt_error = None
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        """The last attempt's `usage`, if it reported one."""
+        a = self.attempt
+        return a.usage if a is not None else None
 
     @property
     def priority_label(self) -> str | None:

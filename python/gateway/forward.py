@@ -34,7 +34,7 @@ from aiohttp import web
 
 from gateway._core import Outcome
 from gateway.deadline import Watchdog
-from gateway.exchange import Exchange
+from gateway.exchange import Attempt, Exchange
 from gateway.http1 import BodyTooLarge, Response
 from gateway.messages import Endpoint
 from gateway.metrics import Metrics
@@ -50,6 +50,7 @@ __all__ = [
     "Forwarder",
     "UpstreamBody",
     "inspect_body",
+    "is_instance_failure",
     "normalize_error",
     "parse_retry_after_ms",
     "upstream_error_of",
@@ -248,73 +249,21 @@ class Forwarder:
         The slot is released exactly once, with the outcome, whatever happens."""
         upstream = pool.upstream(idx)
         config = self._runtime().config
-        timeouts = config.timeouts
+        watchdog = ex.watchdog
+        t0 = watchdog.loop.time()
+        att = ex.attempt = Attempt()
         outcome = Outcome.NEUTRAL
         cool_ms = 0
         resp_up: Response | None = None
-        watchdog = ex.watchdog
-        loop = watchdog.loop
-        t0 = loop.time()
-        deadline = t0 + timeouts.total_ms / 1000
-        ex.begin_attempt()
         try:
-            # SPEC §6 timeouts: first byte, then the attempt's total.
-            watchdog.arm(min(t0 + timeouts.first_byte_ms / 1000, deadline))
-            resp_up = await _guarded(
-                upstream.open(endpoint.path, body.for_model(upstream.model), ex.trace_headers),
-                watchdog,
-                f"{upstream.name} sent no response head in time",
-                "upstream connection failed",
+            deadline = t0 + config.timeouts.total_ms / 1000
+            resp_up = await self._open(ex, att, endpoint, body, upstream, t0, deadline)
+            result, outcome = await self._answer(
+                request, ex, att, body.stream, upstream, resp_up, t0, deadline
             )
-            watchdog.arm(deadline)
-            status = resp_up.status
-            ex.ttfb = loop.time() - t0
-            limit = config.limits.max_response_bytes
-            if status >= 500 or status in (401, 403, 408, 429) or 300 <= status < 400:
-                # SPEC §6: 5xx/429 (and 408) are the instance's failures; a redirect is not
-                # followed and means a misconfigured instance; SPEC §7: an upstream 401/403
-                # means the gateway's key for it is wrong, which is not the client's fault.
-                await _read_all(resp_up, watchdog, limit)
-                if status in (429, 503):
-                    cool_ms = parse_retry_after_ms(resp_up.headers, config.health.max_ejection_ms)
-                outcome = Outcome.FAILURE
-                why = "rejected the gateway's credentials" if status in (401, 403) else "answered"
-                return AttemptError(
-                    f"upstream {upstream.name} {why} HTTP {status}",
-                    status=status,
-                    retry_after_ms=cool_ms,
-                )
-            if status >= 400:
-                # SPEC §6: "4xx other than 408/429 is the client's fault and passes through".
-                raw = await _read_all(resp_up, watchdog, limit)
-                # Scrubbed after decoding: a key spelled with JSON escapes is caught too.
-                shaped = normalize_error(raw, status).decode()
-                return web.Response(
-                    status=status,
-                    body=self._scrub(upstream, shaped).encode(),
-                    content_type=_JSON,
-                    headers=ex.headers(),
-                )
-            if body.stream and request is not None and resp_up.content_type == "text/event-stream":
-                result, outcome = await self._relay_stream(
-                    request, ex, resp_up, upstream, t0, deadline, config.limits.max_event_bytes
-                )
-                return result
-            raw = await _read_all(resp_up, watchdog, limit)
-            try:
-                err, ex.usage = inspect_body(raw)
-            except NotJson as exc:
-                outcome = Outcome.FAILURE
-                return AttemptError(f"{upstream.name}: {exc}", status=status)
-            if err is not None:
-                outcome = Outcome.FAILURE
-                return AttemptError(f"{upstream.name}: {self._scrub(upstream, err)}", status=status)
-            outcome = Outcome.SUCCESS
-            # Always JSON, whatever the upstream labelled it: the gateway's origin never
-            # serves an upstream's text/html.
-            return web.Response(status=status, body=raw, content_type=_JSON, headers=ex.headers())
+            return result
         except AttemptError as err:
-            outcome = Outcome.FAILURE
+            outcome, cool_ms = Outcome.FAILURE, err.retry_after_ms
             return err
         finally:
             # Nothing below may keep the slot from going back: the release comes first and
@@ -325,11 +274,110 @@ class Forwarder:
                 # An unfinished body means the upstream is still working: closing the
                 # connection cancels it there (client gone, stream failed).
                 resp_up.close() if not resp_up.is_eof() else resp_up.release()
-            self._after(ex, pool, upstream, idx, outcome, loop.time() - t0)
+            self._after(ex, att, pool, upstream, idx, outcome, watchdog.loop.time() - t0)
+
+    async def _open(
+        self,
+        ex: Exchange,
+        att: Attempt,
+        endpoint: Endpoint,
+        body: UpstreamBody,
+        upstream: Upstream,
+        t0: float,
+        deadline: float,
+    ) -> Response:
+        """Sends the request and reads the response head. SPEC §6 timeouts: the head within
+        the first-byte timeout; from then on the attempt's total (`deadline`) is armed."""
+        watchdog = ex.watchdog
+        first_byte_ms = self._runtime().config.timeouts.first_byte_ms
+        watchdog.arm(min(t0 + first_byte_ms / 1000, deadline))
+        resp_up = await _guarded(
+            upstream.open(endpoint.path, body.for_model(upstream.model), ex.trace_headers),
+            watchdog,
+            f"{upstream.name} sent no response head in time",
+            "upstream connection failed",
+        )
+        watchdog.arm(deadline)
+        att.ttfb = watchdog.loop.time() - t0
+        return resp_up
+
+    async def _answer(
+        self,
+        request: web.BaseRequest | None,
+        ex: Exchange,
+        att: Attempt,
+        stream: bool,
+        upstream: Upstream,
+        resp_up: Response,
+        t0: float,
+        deadline: float,
+    ) -> tuple[web.StreamResponse, Outcome]:
+        """What the upstream's answer means (its status decides, SPEC §6): the response for
+        the client and the attempt's outcome. Raises `AttemptError` for the instance's
+        failures."""
+        status = resp_up.status
+        if is_instance_failure(status):
+            raise await self._instance_failure(ex, upstream, resp_up)
+        if status >= 400:
+            # SPEC §6: "4xx other than 408/429 is the client's fault and passes through".
+            return await self._client_error(ex, upstream, resp_up), Outcome.NEUTRAL
+        if stream and request is not None and resp_up.content_type == "text/event-stream":
+            return await self._relay_stream(request, ex, att, resp_up, upstream, t0, deadline)
+        return await self._json_answer(ex, att, upstream, resp_up), Outcome.SUCCESS
+
+    async def _instance_failure(
+        self, ex: Exchange, upstream: Upstream, resp_up: Response
+    ) -> AttemptError:
+        """The error for an answer that is the instance's failure (`is_instance_failure`),
+        with the pause a 429/503 asked for (its body is read and dropped)."""
+        config = self._runtime().config
+        status = resp_up.status
+        await _read_all(resp_up, ex.watchdog, config.limits.max_response_bytes)
+        cool_ms = 0
+        if status in (429, 503):
+            cool_ms = parse_retry_after_ms(resp_up.headers, config.health.max_ejection_ms)
+        why = "rejected the gateway's credentials" if status in (401, 403) else "answered"
+        return AttemptError(
+            f"upstream {upstream.name} {why} HTTP {status}", status=status, retry_after_ms=cool_ms
+        )
+
+    async def _client_error(
+        self, ex: Exchange, upstream: Upstream, resp_up: Response
+    ) -> web.Response:
+        """An upstream 4xx that is the client's fault, passed through in OpenAI's shape."""
+        limit = self._runtime().config.limits.max_response_bytes
+        raw = await _read_all(resp_up, ex.watchdog, limit)
+        # Scrubbed after decoding: a key spelled with JSON escapes is caught too.
+        shaped = normalize_error(raw, resp_up.status).decode()
+        return web.Response(
+            status=resp_up.status,
+            body=self._scrub(upstream, shaped).encode(),
+            content_type=_JSON,
+            headers=ex.headers(),
+        )
+
+    async def _json_answer(
+        self, ex: Exchange, att: Attempt, upstream: Upstream, resp_up: Response
+    ) -> web.Response:
+        """A complete (non-streamed) success, unless its body says otherwise (SPEC §6: an
+        error inside an HTTP 200, or not a JSON object at all: `AttemptError`)."""
+        status = resp_up.status
+        limit = self._runtime().config.limits.max_response_bytes
+        raw = await _read_all(resp_up, ex.watchdog, limit)
+        try:
+            err, att.usage = inspect_body(raw)
+        except NotJson as exc:
+            raise AttemptError(f"{upstream.name}: {exc}", status=status) from None
+        if err is not None:
+            raise AttemptError(f"{upstream.name}: {self._scrub(upstream, err)}", status=status)
+        # Always JSON, whatever the upstream labelled it: the gateway's origin never serves
+        # an upstream's text/html.
+        return web.Response(status=status, body=raw, content_type=_JSON, headers=ex.headers())
 
     def _after(
         self,
         ex: Exchange,
+        att: Attempt,
         pool: Pool,
         upstream: Upstream,
         idx: int,
@@ -338,13 +386,13 @@ class Forwarder:
     ) -> None:
         """Bookkeeping of a finished attempt (never raises: it runs in a `finally`)."""
         try:
-            if outcome is Outcome.FAILURE and ex.attempt_error is not None:
+            if outcome is Outcome.FAILURE and att.error is not None:
                 # A failure after the response started (the others are noted by the caller).
-                pool.note_error(idx, ex.attempt_error)
+                pool.note_error(idx, att.error)
             ex.upstream_ms += elapsed * 1000
-            self._metrics.attempt(pool.name, upstream.name, ex.ttfb, elapsed, ex.trace_id)
-            if ex.usage is not None and outcome is Outcome.SUCCESS:
-                self._metrics.used_tokens(pool.name, upstream.name, ex.usage)
+            self._metrics.attempt(pool.name, upstream.name, att.ttfb, elapsed, ex.trace_id)
+            if att.usage is not None and outcome is Outcome.SUCCESS:
+                self._metrics.used_tokens(pool.name, upstream.name, att.usage)
         except Exception:
             log.exception("attempt bookkeeping failed")
 
@@ -352,50 +400,33 @@ class Forwarder:
         self,
         request: web.BaseRequest,
         ex: Exchange,
+        att: Attempt,
         resp_up: Response,
         upstream: Upstream,
         started: float,
         deadline: float,
-        max_event_bytes: int,
-    ) -> tuple[web.StreamResponse | AttemptError, Outcome]:
+    ) -> tuple[web.StreamResponse, Outcome]:
         """SSE passed through event by event. Until the first event is written the attempt
-        may still be retried; after it, a failure ends the stream with an error event."""
-        idle = self._runtime().config.timeouts.stream_idle_ms / 1000
-        checker = SseChecker(max_event_bytes)
+        may still be retried (`AttemptError`); after it, a failure ends the stream with an
+        error event."""
+        config = self._runtime().config
+        idle = config.timeouts.stream_idle_ms / 1000
+        checker = SseChecker(config.limits.max_event_bytes)
         try:
             out, ended = await self._first_events(
-                ex, resp_up, upstream, checker, started, idle, deadline
+                ex, att, resp_up, upstream, checker, started, idle, deadline
             )
-        except AttemptError as err:
-            return err, Outcome.FAILURE
         except MalformedEvent as err:
-            return AttemptError(f"{upstream.name}: {err}"), Outcome.FAILURE
-        headers = ex.headers()
-        headers.update(
-            {
-                "Content-Type": "text/event-stream; charset=utf-8",
-                "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no",
-                "X-Content-Type-Options": NOSNIFF,
-            }
-        )
-        resp = web.StreamResponse(status=200, headers=headers)
+            raise AttemptError(f"{upstream.name}: {err}") from None
+        resp = web.StreamResponse(status=200, headers=_stream_headers(ex))
         await resp.prepare(request)
         failure: tuple[str, str] | None = None
         try:
             await resp.write(self._scrub_events(upstream, out, checker))
             if not ended:
-                transport = request.transport
-                # aiohttp frames the body as chunks on HTTP/1.1 (its writer says so): the
-                # splice writes the same framing itself; anything else takes the plain loop.
-                writer = getattr(resp, "_payload_writer", None)
-                chunked = writer is not None and getattr(writer, "chunked", False) is True
-                if chunked and transport is not None and not resp.compression:
-                    await self._splice_rest(
-                        ex, resp_up, resp, transport, upstream, checker, idle, deadline
-                    )
-                else:
-                    await self._relay_rest(ex, resp_up, resp, upstream, checker, idle, deadline)
+                await self._relay_after_first(
+                    request, ex, resp_up, resp, upstream, checker, idle, deadline
+                )
         except asyncio.CancelledError:
             if self._hard_stopped():
                 with contextlib.suppress(Exception):
@@ -405,37 +436,38 @@ class Forwarder:
         except ConnectionResetError:
             # The client left mid-stream: nothing to tell it; the upstream is closed after.
             return resp, Outcome.NEUTRAL
-        except AttemptError as err:
-            failure = ("upstream_timeout" if err.timeout else "upstream_error", str(err))
-        except MalformedEvent as err:
-            failure = ("upstream_error", str(err))
-        except Exception:
-            # A bug of ours mid-stream: the client still gets a proper end, not a cut.
-            log.exception("stream relay failed", extra={"fields": {"id": ex.request_id}})
-            failure = ("internal_error", "the gateway failed while relaying it")
-        ex.usage = checker.usage
-        if failure is not None:
-            # SPEC §6: "its failure ends the stream with an error event ... never a silent
-            # cut, never a fake [DONE]".
-            code, why = failure
-            ex.error = code
-            ex.attempt_error = f"stream failed: {why}"
-            with contextlib.suppress(ConnectionResetError):
-                await resp.write(sse_error_event(code, f"The upstream stream failed: {why}."))
-                await resp.write_eof()
-            return resp, Outcome.FAILURE
-        await resp.write_eof()
-        if checker.upstream_error is not None:
-            # The upstream itself reported an error inside the stream (vLLM does): the
-            # client already has that event; the instance failed this request.
-            ex.error = "upstream_error"
-            ex.attempt_error = "the upstream sent an error event mid-stream"
-            return resp, Outcome.FAILURE
-        return resp, Outcome.SUCCESS
+        except Exception as exc:
+            failure = _stream_failure(ex, exc)
+        att.usage = checker.usage
+        return resp, await _end_stream(ex, att, resp, checker, failure)
+
+    async def _relay_after_first(
+        self,
+        request: web.BaseRequest,
+        ex: Exchange,
+        resp_up: Response,
+        resp: web.StreamResponse,
+        upstream: Upstream,
+        checker: SseChecker,
+        idle: float,
+        deadline: float,
+    ) -> None:
+        """The rest of a stream after its first event: spliced when the client's response is
+        HTTP/1.1 chunked and uncompressed, read piece by piece otherwise."""
+        transport = request.transport
+        # aiohttp frames the body as chunks on HTTP/1.1 (its writer says so): the splice
+        # writes the same framing itself; anything else takes the plain loop.
+        writer = getattr(resp, "_payload_writer", None)
+        chunked = writer is not None and getattr(writer, "chunked", False) is True
+        if chunked and transport is not None and not resp.compression:
+            await self._splice_rest(ex, resp_up, resp, transport, upstream, checker, idle, deadline)
+        else:
+            await self._relay_rest(ex, resp_up, resp, upstream, checker, idle, deadline)
 
     async def _first_events(
         self,
         ex: Exchange,
+        att: Attempt,
         resp_up: Response,
         upstream: Upstream,
         checker: SseChecker,
@@ -452,7 +484,7 @@ class Forwarder:
             chunk = await _read_chunk(resp_up, watchdog, idle, deadline)
             if first:
                 # For a stream, the first byte a user feels is the first chunk, not the head.
-                ex.ttfb = watchdog.loop.time() - started
+                att.ttfb = watchdog.loop.time() - started
                 first = False
                 reported = upstream_error_of(chunk) if chunk.lstrip()[:1] == b"{" else None
                 if reported is not None:
@@ -551,6 +583,67 @@ class Forwarder:
         if checker.error_seen:
             out = _rewrite_error_events(out, lambda text: self._scrub(upstream, text))
         return upstream.scrub(out)
+
+
+def is_instance_failure(status: int) -> bool:
+    """Whether an upstream status is the instance's failure (retried elsewhere, counted
+    against it). SPEC §6: 5xx, 408 and 429 are; a redirect is not followed and means a
+    misconfigured instance; SPEC §7: an upstream 401/403 means the gateway's key for it is
+    wrong, which is not the client's fault."""
+    return status >= 500 or status in (401, 403, 408, 429) or 300 <= status < 400
+
+
+def _stream_headers(ex: Exchange) -> dict[str, str]:
+    """The head of a relayed token stream: the exchange's headers and SSE's own."""
+    headers = ex.headers()
+    headers.update(
+        {
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+            "X-Content-Type-Options": NOSNIFF,
+        }
+    )
+    return headers
+
+
+def _stream_failure(ex: Exchange, exc: Exception) -> tuple[str, str]:
+    """A started stream's failure as (error code, reason) for its closing error event."""
+    if isinstance(exc, AttemptError):
+        return ("upstream_timeout" if exc.timeout else "upstream_error", str(exc))
+    if isinstance(exc, MalformedEvent):
+        return ("upstream_error", str(exc))
+    # A bug of ours mid-stream: the client still gets a proper end, not a cut.
+    log.error("stream relay failed", exc_info=exc, extra={"fields": {"id": ex.request_id}})
+    return ("internal_error", "the gateway failed while relaying it")
+
+
+async def _end_stream(
+    ex: Exchange,
+    att: Attempt,
+    resp: web.StreamResponse,
+    checker: SseChecker,
+    failure: tuple[str, str] | None,
+) -> Outcome:
+    """Ends a started stream and says how the attempt went."""
+    if failure is not None:
+        # SPEC §6: "its failure ends the stream with an error event ... never a silent
+        # cut, never a fake [DONE]".
+        code, why = failure
+        ex.error = code
+        att.error = f"stream failed: {why}"
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write(sse_error_event(code, f"The upstream stream failed: {why}."))
+            await resp.write_eof()
+        return Outcome.FAILURE
+    await resp.write_eof()
+    if checker.upstream_error is not None:
+        # The upstream itself reported an error inside the stream (vLLM does): the client
+        # already has that event; the instance failed this request.
+        ex.error = "upstream_error"
+        att.error = "the upstream sent an error event mid-stream"
+        return Outcome.FAILURE
+    return Outcome.SUCCESS
 
 
 def _rewrite_error_events(events: bytes, scrub: Callable[[str], str]) -> bytes:

@@ -555,8 +555,9 @@ class AttemptSpan:
                 error = str(status)
             if isinstance(status, int) and status > 0:
                 attrs["http.response.status_code"] = status
-            if ex.ttfb is not None:
-                attrs["gateway.ttfb_ms"] = round(ex.ttfb * 1000, 3)
+            ttfb = ex.attempt.ttfb if ex.attempt is not None else None
+            if ttfb is not None:
+                attrs["gateway.ttfb_ms"] = round(ttfb * 1000, 3)
             if error is None:
                 _add_usage(attrs, ex.usage)
                 attrs["gen_ai.response.model"] = self._req._upstream_model
