@@ -17,14 +17,13 @@ from hypothesis import strategies as st
 
 import gateway.classify as classify_module
 from gateway.classify import (
-    _MODEL_BIAS,
-    _MODEL_WEIGHTS,
-    _TO_CJK,
     ALGORITHM_NAMES,
+    MODEL_BIAS,
+    MODEL_WEIGHTS,
     QUESTION_FORMS,
     SCAN_CHARS,
     ComplexityClassifier,
-    _Text,
+    PromptText,
     header_value,
     parse_header_value,
 )
@@ -301,7 +300,7 @@ def test_vocabulary_entries_are_words_or_chinese_and_unique() -> None:
         QUESTION_FORMS
     )
     # The default configuration then has no regex-matched substring keyword at all.
-    assert DEFAULT._substrings.occurrences(_Text(["时间复杂度 O(n^2) 线段树"])) == []
+    assert DEFAULT.regex_keywords == ()
 
 
 def test_vocabulary_rules_in_the_header() -> None:
@@ -343,12 +342,9 @@ def test_cjk_automaton_finds_exactly_the_substrings(text: str) -> None:
     """The core's automaton over the CJK form, confirmed by `bytes.find`, finds every
     occurrence of every Chinese keyword and nothing else."""
     c = DEFAULT
-    t = _Text([text])
-    found = []
-    if not t.prose.isascii():
-        hits = c._trigger_search.present(t.padded.translate(_TO_CJK))
-        found = sorted(c._cjk_occurrences(t, hits))
-    keywords = {f for k in (c._complex, c._simple, c._vocabulary) for f in k.substrings}
+    t = PromptText([text])
+    found = sorted(c.cjk_occurrences(t))
+    keywords = set(c.substring_keywords)
     expected = sorted(
         (m.start(), keyword)
         for keyword in keywords
@@ -560,7 +556,7 @@ def model_features(prompt: str) -> set[str]:
     """What the model sees of a prompt, computed the slow and obvious way: the words of the
     prose's word form and pairs of words one space apart, the Chinese characters of the prose
     and pairs of adjacent ones. (The classifier finds the same with the core's automaton.)"""
-    text = _Text([prompt])
+    text = PromptText([prompt])
     words = text.word_form()
     features = {w.decode() for w in words.split()}
     features |= {f"{a.decode()} {b.decode()}" for a, b in WORD_PAIR.findall(words)}
@@ -614,10 +610,10 @@ def test_shipped_model_is_what_training_on_the_labelled_sets_gives(
     trained: tuple[float, dict[str, float]],
 ) -> None:
     bias, weights = trained
-    assert set(weights) == set(_MODEL_WEIGHTS)
-    assert bias == pytest.approx(_MODEL_BIAS, abs=1e-9)
+    assert set(weights) == set(MODEL_WEIGHTS)
+    assert bias == pytest.approx(MODEL_BIAS, abs=1e-9)
     for feature, weight in weights.items():
-        assert weight == pytest.approx(_MODEL_WEIGHTS[feature], abs=1e-9), feature
+        assert weight == pytest.approx(MODEL_WEIGHTS[feature], abs=1e-9), feature
 
 
 @pytest.mark.parametrize("rows", [ROWS, DEV_ROWS, HELDOUT_ROWS], ids=["train", "dev", "heldout"])
@@ -626,16 +622,9 @@ def test_model_scores_in_the_classifier_equal_the_obvious_computation(
 ) -> None:
     c = DEFAULT
     for row in rows:
-        text = _Text([row["prompt"]])
-        hits = frozenset(c._trigger_list[i] for i in c._trigger_search.present(text.word_form()))
-        cjk = (
-            []
-            if text.prose.isascii()
-            else c._trigger_search.present(text.padded.translate(_TO_CJK))
-        )
-        score, _ = c._model_score(text, hits, cjk)
-        expected = _MODEL_BIAS + sum(
-            _MODEL_WEIGHTS.get(f, 0.0) for f in model_features(row["prompt"])
+        score = c.model_score(PromptText([row["prompt"]]))
+        expected = MODEL_BIAS + sum(
+            MODEL_WEIGHTS.get(f, 0.0) for f in model_features(row["prompt"])
         )
         assert score == pytest.approx(expected, abs=1e-9), row["prompt"][:60]
 
@@ -860,19 +849,20 @@ def test_core_trigger_search_equals_word_set_intersection(text: str) -> None:
     """The Aho-Corasick trigger search in the core finds exactly the whole words (and the
     model's pairs of words, "find the") that a split of the word form would."""
     c = DEFAULT
-    form = _Text([text]).word_form()
-    found = frozenset(c._trigger_list[i] for i in c._trigger_search.present(form))
+    t = PromptText([text])
+    form = t.word_form()
+    found = c.trigger_hits(t)
     words = form.split()
     pairs = {a + b" " + b for a, b in itertools.pairwise(words)}
     # a pair counts only when its words are one space apart in the form
     pairs = {p for p in pairs if b" " + p + b" " in b" " + form + b" "}
-    assert found == c._triggers.intersection({*words, *pairs})
+    assert found == c.triggers.intersection({*words, *pairs})
 
 
 if __name__ == "__main__":
     # Retrain the model and print its weights for python/gateway/classify.py:
     #   .venv/bin/python tests/test_classify.py
     bias, weights = train_model(ROWS + DEV_ROWS)
-    print(f"_MODEL_BIAS: Final = {bias!r}")
+    print(f"MODEL_BIAS: Final = {bias!r}")
     for feature, weight in sorted(weights.items(), key=lambda fw: (-fw[1], fw[0])):
         print(f"    {feature!r}: {weight!r},")

@@ -36,7 +36,7 @@ Rules, first match wins:
    only when the prose outside fences contains a typical code word such as `include`, `int`,
    `def`, `return` or `printf`; plain prose is not scanned line by line).
 8. `model=<score>(<features>)` → complex: a small linear model over the words and characters
-   of the prose scores at least 1.0, the features that pulled most named (`_MODEL_WEIGHTS`:
+   of the prose scores at least 1.0, the features that pulled most named (`MODEL_WEIGHTS`:
    52 weights; English words and word pairs, Chinese characters and character pairs). It only
    ever turns what would be the default into complex, so it never sends a prompt to the
    light pool. It learned from two small labelled sets (214 prompts), so what it knows is
@@ -135,9 +135,12 @@ from gateway.config import Classifier, ComplexityName, Config
 
 __all__ = [
     "ALGORITHM_NAMES",
+    "MODEL_BIAS",
+    "MODEL_WEIGHTS",
     "QUESTION_FORMS",
     "SCAN_CHARS",
     "ComplexityClassifier",
+    "PromptText",
     "header_value",
     "parse_header_value",
 ]
@@ -367,11 +370,11 @@ _NO_ENDINGS: Final = frozenset({"trie", "prim", "nim", "lis", "dag"})
 # on judge_prompts_heldout.jsonl), which checks that these numbers are what training gives;
 # rerun it and paste its output here after changing either set. Only the 52 features with a
 # weight remain. A positive weight pulls towards complex.
-_MODEL_BIAS: Final = -0.3308303957769841
+MODEL_BIAS: Final = -0.3308303957769841
 _MODEL_THRESHOLD: Final = 1.0
 # An English feature: words of the word form, separated by single spaces.
 _WORD_FEATURE: Final = re.compile(r"[a-z0-9_]+(?: [a-z0-9_]+)*")
-_MODEL_WEIGHTS: Final[dict[str, float]] = {
+MODEL_WEIGHTS: Final[dict[str, float]] = {
     "the": 0.9908459390949619,
     "最": 0.8710326621447461,
     "间": 0.7758194431545695,
@@ -496,7 +499,7 @@ class ComplexityClassifier:
         sets = (self._complex, self._simple, self._vocabulary)
         # The model's English features (words, "word word") are found like keyword words.
         self._model_words = {
-            f.encode(): w for f, w in _MODEL_WEIGHTS.items() if _WORD_FEATURE.fullmatch(f)
+            f.encode(): w for f, w in MODEL_WEIGHTS.items() if _WORD_FEATURE.fullmatch(f)
         }
         self._model_word_set = frozenset(self._model_words)
         # Every word that announces a word keyword of any list, and the model's words.
@@ -521,7 +524,7 @@ class ComplexityClassifier:
         # characters are looked up directly (`str` finds one character at memchr speed; as
         # patterns they would make the automaton report every character of the same shape).
         chars: list[tuple[str, float]] = []
-        for feature, weight in _MODEL_WEIGHTS.items():
+        for feature, weight in MODEL_WEIGHTS.items():
             if feature.encode() in self._model_words:
                 continue
             if not _is_cjk_keyword(feature):
@@ -551,13 +554,11 @@ class ComplexityClassifier:
         parts = _user_texts(body)
         if not parts:
             return self.default_complexity, "no_text"
-        text = _Text(parts)
-        names = self._trigger_list
-        hits = frozenset(names[i] for i in self._trigger_search.present(text.word_form()))
+        text = PromptText(parts)
+        hits = self.trigger_hits(text)
         found = self._substrings.occurrences(text)
-        cjk_hits: list[int] = []
-        if self._cjk_terms and not text.prose.isascii():
-            cjk_hits = self._trigger_search.present(text.padded.translate(_TO_CJK))
+        cjk_hits = self._cjk_search(text)
+        if cjk_hits:
             found += self._cjk_occurrences(text, cjk_hits)
         keyword = self._complex.first(text, hits, found)
         if keyword is not None:
@@ -586,7 +587,46 @@ class ComplexityClassifier:
             return "complex", f"model={score:.2f}({pulled})"
         return self.default_complexity, "default"
 
-    def _cjk_occurrences(self, text: _Text, cjk_hits: list[int]) -> list[tuple[int, str]]:
+    # What the searches find, public for diagnostics and tests (`classify` uses the same).
+
+    @property
+    def triggers(self) -> frozenset[bytes]:
+        """Every word (or the model's "word word" pair) that the word automaton looks for."""
+        return self._triggers
+
+    @property
+    def substring_keywords(self) -> tuple[str, ...]:
+        """The substring keywords of all lists (complex, simple, the vocabulary), folded."""
+        sets = (self._complex, self._simple, self._vocabulary)
+        return tuple(dict.fromkeys(f for k in sets for f in k.substrings))
+
+    @property
+    def regex_keywords(self) -> tuple[str, ...]:
+        """The substring keywords left to the one regex pass (those the CJK automaton cannot
+        find: ASCII with punctuation such as "O(n^2)", mixed or cased ones)."""
+        return self._substrings.keywords
+
+    def trigger_hits(self, text: PromptText) -> frozenset[bytes]:
+        """The trigger words (`triggers`) that occur as whole words in the text's word form."""
+        names = self._trigger_list
+        return frozenset(names[i] for i in self._trigger_search.present(text.word_form()))
+
+    def cjk_occurrences(self, text: PromptText) -> list[tuple[int, str]]:
+        """(position in `text.padded`, folded keyword) of every Chinese keyword in the prose,
+        as the automaton over the CJK form finds them."""
+        return self._cjk_occurrences(text, self._cjk_search(text))
+
+    def model_score(self, text: PromptText) -> float:
+        """The linear model's score (a logit; rule 8 says complex from 1.0) for the text."""
+        return self._model_score(text, self.trigger_hits(text), self._cjk_search(text))[0]
+
+    def _cjk_search(self, text: PromptText) -> list[int]:
+        """The automaton's hits in the CJK form (none for ASCII prose)."""
+        if self._cjk_terms and not text.prose.isascii():
+            return self._trigger_search.present(text.padded.translate(_TO_CJK))
+        return []
+
+    def _cjk_occurrences(self, text: PromptText, cjk_hits: list[int]) -> list[tuple[int, str]]:
         """(position in `padded`, folded keyword) of every Chinese keyword in the prose, given
         the automaton's hits in the CJK form."""
         padded, prose = text.padded, text.prose
@@ -607,7 +647,7 @@ class ComplexityClassifier:
         return found
 
     def _model_score(
-        self, text: _Text, hits: frozenset[bytes], cjk_hits: list[int]
+        self, text: PromptText, hits: frozenset[bytes], cjk_hits: list[int]
     ) -> tuple[float, list[tuple[float, str]]]:
         """The model's score (a logit) and the (weight, feature) of the features present."""
         weights = self._model_words
@@ -621,10 +661,10 @@ class ComplexityClassifier:
                         present.append((weight, feature))
         if not prose.isascii():
             present.extend((w, c) for c, w in self._model_chars if c in prose)
-        return _MODEL_BIAS + sum([weight for weight, _ in present]), present
+        return MODEL_BIAS + sum([weight for weight, _ in present]), present
 
 
-class _Text:
+class PromptText:
     """The user text of one request, cut into prose and fenced code, with lazy derived forms.
 
     Positions are byte offsets into `padded`: the UTF-8 prose between a leading and a trailing
@@ -664,9 +704,6 @@ class _Text:
         if self._words is None:
             self._words = self.padded.translate(_TO_WORDS)
         return self._words
-
-    def words(self) -> list[bytes]:
-        return self.word_form().split()
 
     def in_code_line(self, pos: int) -> bool:
         """Whether byte `pos` lies on a line that starts like code."""
@@ -777,7 +814,7 @@ class _KeywordSet:
         return list(self._substring_index)
 
     def first(
-        self, text: _Text, hits: frozenset[bytes], substrings: list[tuple[int, str]]
+        self, text: PromptText, hits: frozenset[bytes], substrings: list[tuple[int, str]]
     ) -> str | None:
         """The keyword of this set that occurs first outside code in `text`, if any.
 
@@ -848,7 +885,11 @@ class _SubstringScanner:
         # text is not scanned when every substring keyword has a non-ASCII character.
         self._needs_ascii = any(name.isascii() for name in self._folded)
 
-    def occurrences(self, text: _Text) -> list[tuple[int, str]]:
+    @property
+    def keywords(self) -> tuple[str, ...]:
+        return tuple(self._folded)
+
+    def occurrences(self, text: PromptText) -> list[tuple[int, str]]:
         """(position in `padded`, folded keyword) of every substring keyword, in text order."""
         if self._pattern is None or not (self._needs_ascii or not text.prose.isascii()):
             return []
