@@ -175,7 +175,7 @@ async def test_cancellation_cuts_the_connection(client_factory: Callable[[int], 
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert not c._idle  # the cut connection is never reused
+        assert c.idle_connections == 0  # the cut connection is never reused
         srv.responses = [OK]
         assert await _get(c) == (200, b"{}")
         assert srv.connections == 2
@@ -266,7 +266,7 @@ async def test_bytes_past_the_response_lose_the_connection(
     async with ScriptServer(echo_script(answer(b"one") + extra)) as srv:
         c = client_factory(srv.port)
         assert await _post(c, b"one") == (200, b"one")  # the response itself is complete
-        assert not c._idle  # ... but its connection is not pooled
+        assert c.idle_connections == 0  # ... but its connection is not pooled
         for body in (b"two", b"three"):
             assert await _post(c, body) == (200, body)
         assert srv.connections == 2
@@ -293,7 +293,7 @@ async def test_bytes_past_the_response_arriving_later_lose_the_connection(
         await asyncio.sleep(0.1)  # the stray answer arrives while the response is held
         assert await resp.read() == b"held"
         resp.release()
-        assert not c._idle
+        assert c.idle_connections == 0
         assert await _post(c, b"two") == (200, b"two")
         assert srv.connections == 2
 
@@ -319,7 +319,7 @@ async def test_unsolicited_408_on_an_idle_connection_closes_it(
     async with ScriptServer(script) as srv:
         c = client_factory(srv.port)
         assert await _post(c, b"one") == (200, b"one")
-        assert len(c._idle) == 1
+        assert c.idle_connections == 1
         await asyncio.sleep(0.15)
         assert await _post(c, b"two") == (200, b"two")
         assert await _post(c, b"three") == (200, b"three")
@@ -378,7 +378,7 @@ async def test_a_probe_never_raises() -> None:
         try:
             assert await up.probe("/v1/models", 2) is False  # body over the probe's bound
             assert await up.probe("/v1/models", 2) is False  # a broken status line
-            assert not up._client._idle
+            assert up.client.idle_connections == 0
         finally:
             await up.close()
         dead = Upstream(
@@ -434,7 +434,7 @@ async def test_framing_violations_are_resets(
         with pytest.raises(ConnectionResetError) as err:
             await _get(c)
         assert type(err.value) is ConnectionResetError
-        assert not c._idle
+        assert c.idle_connections == 0
 
 
 async def test_header_values_are_latin1_and_never_crash(
@@ -451,7 +451,7 @@ async def test_header_values_are_latin1_and_never_crash(
         assert "x-raw" in resp.headers and resp.content_type == ""
         assert await resp.read() == b""
         resp.release()
-        assert len(c._idle) == 1
+        assert c.idle_connections == 1
 
 
 async def test_interim_responses_are_skipped_but_bounded(
@@ -520,17 +520,17 @@ async def test_read_limit(client_factory: Callable[[int], Client]) -> None:
         with pytest.raises(BodyTooLarge):  # over by its Content-Length, before reading it
             await resp.read(999)
         resp.release()
-        assert not c._idle
+        assert c.idle_connections == 0
         resp = await c.request(c.head("POST", "/", ""), b"2")
         with pytest.raises(BodyTooLarge) as err:
             await resp.read(2047)
         assert isinstance(err.value, ConnectionResetError)
         resp.release()
-        assert not c._idle
+        assert c.idle_connections == 0
         resp = await c.request(c.head("POST", "/", ""), b"3")
         assert await resp.read(10) == b"y" * 10  # exactly at the limit
         resp.release()
-        assert len(c._idle) == 1
+        assert c.idle_connections == 1
         assert srv.connections == 3
 
 
@@ -584,22 +584,20 @@ async def test_an_endless_body_is_flow_controlled(client_factory: Callable[[int]
     async with ScriptServer(script) as srv:
         c = client_factory(srv.port)
         resp = await c.request(c.head("POST", "/", ""), b"")
-        conn = resp._conn
-        assert conn is not None
-        bound = http1._HIGH_WATER + 256 * 1024  # the mark plus at most one socket read
+        bound = http1.HIGH_WATER + 256 * 1024  # the mark plus at most one socket read
         await asyncio.sleep(0.3)  # a consumer that does not read at all
         stalled = written
         await asyncio.sleep(0.2)
         assert written == stalled  # the server is blocked: nothing grows anywhere
-        assert conn._paused and conn._buffered <= bound
+        assert resp.reading_paused and resp.buffered <= bound
         read = 0
         for _ in range(50):  # a slow consumer
-            assert conn._buffered <= bound
+            assert resp.buffered <= bound
             read += len(await resp.readany())
             await asyncio.sleep(0.002)
-        assert read > 4 * http1._HIGH_WATER  # reading resumed each time it drained
+        assert read > 4 * http1.HIGH_WATER  # reading resumed each time it drained
         resp.close()
-        assert not c._idle
+        assert c.idle_connections == 0
 
 
 # --- the keep-alive race and cancellation
@@ -624,7 +622,7 @@ async def test_a_stale_reused_connection_is_resent_on_a_fresh_one(
     async with ScriptServer(script) as srv:
         c = client_factory(srv.port)
         assert await asyncio.gather(_post(c, b"a"), _post(c, b"b")) == [(200, b"a"), (200, b"b")]
-        assert len(c._idle) == 2 and srv.connections == 2
+        assert c.idle_connections == 2 and srv.connections == 2
         assert await _post(c, b"c") == (200, b"c")
         assert srv.connections == 3  # one stale idle connection tried, then a fresh one
         # a fresh connection closed before answering is a reset, not resent
@@ -655,9 +653,8 @@ async def test_cancelling_a_body_read_cuts_the_connection(
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert resp._conn is None or not resp._conn.usable()
-        resp.release()
-        assert not c._idle
+        resp.release()  # a cancelled read left the connection unusable: it is not pooled
+        assert c.idle_connections == 0
         with pytest.raises(ConnectionResetError):
             await resp.readany()
 
@@ -679,7 +676,7 @@ async def test_body_framed_by_close_and_reset_mid_body(
     async with ScriptServer(script) as srv:
         c = client_factory(srv.port)
         assert await _get(c) == (200, b"until the end")
-        assert not c._idle
+        assert c.idle_connections == 0
         resp = await c.request(c.head("POST", "/", ""), b"")
         assert await resp.readany() == b"partial"
         with pytest.raises(ConnectionResetError):

@@ -86,19 +86,16 @@ def test_which_proxy_a_client_uses(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HTTP_PROXY", "plain-proxy:8080")  # no scheme: http, as curl reads it
     secure = Client("https://api.example.com/v1", 1)
     plain = Client("http://10.0.0.5:8000/v1", 1)
-    assert secure._proxy is not None and secure._proxy.host == "secure-proxy"
-    assert plain._proxy is not None and (plain._proxy.host, plain._proxy.port) == (
-        "plain-proxy",
-        8080,
-    )
+    assert secure.proxy_address == ("secure-proxy", 3128)
+    assert plain.proxy_address == ("plain-proxy", 8080)
     assert not Client("https://api.example.com/v1", 1, trust_env=False).proxied
     monkeypatch.setenv("https_proxy", "http://lower:1")  # the lower-case spelling wins
-    assert Client("https://x.example/v1", 1)._proxy.host == "lower"  # type: ignore[union-attr]
+    assert Client("https://x.example/v1", 1).proxy_address == ("lower", 1)
     monkeypatch.setenv("NO_PROXY", "example.com")
     assert not Client("https://api.example.com/v1", 1).proxied
     # an instance's explicit proxy wins over the environment and over NO_PROXY
     explicit = Client("https://api.example.com/v1", 1, proxy="http://mine:3128")
-    assert explicit._proxy is not None and explicit._proxy.host == "mine"
+    assert explicit.proxy_address == ("mine", 3128)
 
 
 async def test_https_through_the_tunnel_reuses_it_and_sends_basic_credentials(

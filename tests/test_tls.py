@@ -75,7 +75,7 @@ async def test_the_system_store_does_not_know_a_private_ca(
         with pytest.raises(ConnectError, match="certificate") as err:
             await _ask(c)
         assert type(err.value) is ConnectError
-        assert not up.requests and not c._idle
+        assert not up.requests and c.idle_connections == 0
 
 
 async def test_a_wrong_server_name_is_a_connect_error(
@@ -144,16 +144,16 @@ async def test_a_reload_that_changes_tls_builds_a_new_client(
         inst = UpstreamInstance(spec, Timeouts())
         try:
             assert await inst.probe("/v1/models", 5) is False  # the system store: rejected
-            first = inst._client
+            first = inst.client
             tls = TlsSpec(ca_file=write_ca(ca, tmp_path))
             inst.update(
                 InstanceSpec(name="t", url=up.url, model="m", max_concurrency=1, tls=tls),
                 Timeouts(),
             )
-            assert inst._client is not first and first.closed
+            assert inst.client is not first and first.closed
             assert await inst.probe("/v1/models", 5) is True
-            same = inst._client
+            same = inst.client
             inst.update(inst.spec, Timeouts(connect_ms=1000))  # nothing TLS changed: kept
-            assert inst._client is same and same.connect_timeout == 1.0
+            assert inst.client is same and same.connect_timeout == 1.0
         finally:
             await inst.close()

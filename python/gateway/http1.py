@@ -56,12 +56,13 @@ from urllib.parse import SplitResult, unquote, urlsplit
 
 from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
 
-__all__ = ["BodyTooLarge", "Client", "ConnectError", "Headers", "Response"]
+__all__ = ["HIGH_WATER", "BodyTooLarge", "Client", "ConnectError", "Headers", "Response"]
 
 _MAX_HEAD = 64 * 1024  # SPEC §16: status line and header lines of one response
 _MAX_HEADERS = 100
 _MAX_INTERIM = 10  # 1xx responses before the final one
-_HIGH_WATER = 256 * 1024  # unread body bytes above which reading from the socket pauses
+#: Unread body bytes above which reading from the socket pauses (SPEC §16: bounded).
+HIGH_WATER = 256 * 1024
 _MAX_IDLE = 256  # idle keep-alive connections kept per upstream
 _MAX_PROXY_HEAD = 16 * 1024  # a proxy's answer to CONNECT
 
@@ -196,7 +197,7 @@ class _Conn(asyncio.Protocol):
                 self._head_fed += len(data)
                 if self._head_fed > _MAX_HEAD:
                     self._fail(f"upstream response head over {_MAX_HEAD} bytes")
-            elif self._buffered > _HIGH_WATER and not self._paused:
+            elif self._buffered > HIGH_WATER and not self._paused:
                 # Flow control: the consumer is slower than the upstream.
                 self.pause()
         if self._sink is not None and self._chunks:
@@ -424,6 +425,19 @@ class Response:
     def content(self) -> Response:
         """The body stream (this object), as aiohttp spells it."""
         return self
+
+    @property
+    def buffered(self) -> int:
+        """Body bytes received from the upstream and not read yet (0 once released)."""
+        conn = self._conn
+        return conn._buffered if conn is not None else 0
+
+    @property
+    def reading_paused(self) -> bool:
+        """Whether reading from the upstream is paused until the consumer drains the body
+        (flow control: more than `HIGH_WATER` bytes unread)."""
+        conn = self._conn
+        return conn is not None and conn._paused
 
     def is_eof(self) -> bool:
         """Whether the whole body has been received and read."""
@@ -677,6 +691,17 @@ class Client:
         self._resolve_proxy(proxy, os.environ if trust_env else {})
         self._idle: deque[_Conn] = deque()
         self.closed = False
+
+    @property
+    def idle_connections(self) -> int:
+        """How many keep-alive connections wait in the pool for the next request."""
+        return len(self._idle)
+
+    @property
+    def proxy_address(self) -> tuple[str, int] | None:
+        """The egress proxy's (host, port) the connections are tunnelled through, if any."""
+        proxy = self._proxy
+        return (proxy.host, proxy.port) if proxy is not None else None
 
     @property
     def proxied(self) -> bool:

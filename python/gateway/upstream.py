@@ -72,6 +72,12 @@ class Upstream:
             proxy=spec.proxy,
         )
 
+    @property
+    def client(self) -> Client:
+        """The keep-alive connections in use (a new `Client` after an `update` that changed
+        the TLS or proxy settings)."""
+        return self._client
+
     def update(self, spec: InstanceSpec, timeouts: Timeouts) -> None:
         """Applies a reloaded spec of the same endpoint (model, key, headers, timeouts); the
         keep-alive connections stay, unless the TLS or proxy settings changed: then a new
