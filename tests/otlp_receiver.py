@@ -166,9 +166,7 @@ class OtlpReceiver:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
-        server = site._server
-        assert server is not None
-        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.port = int(self._runner.addresses[0][1])
 
     async def _cleanup(self) -> None:
         if self._runner is not None:

@@ -26,7 +26,7 @@ from gateway.batch import api as batch_api
 from gateway.batch import runner as batch_runner
 from gateway.batch.records import Usage, answer_record, inspect
 from gateway.batch.runner import Verdict, retry_after_s, verdict
-from gateway.batch.store import BatchRow, LineResult, _Db
+from gateway.batch.store import BatchRow, Database, LineResult
 from gateway.config import parse_config
 from gateway.events import GatewayEvent, RequestFinished
 from gateway.server import Server
@@ -835,7 +835,7 @@ def test_records_are_json_whatever_the_body() -> None:
 
 
 def test_the_store_fences_late_results_and_keeps_one_per_custom_id(tmp_path: Path) -> None:
-    db = _Db(str(tmp_path / "b.db"), tmp_path / "files")
+    db = Database(str(tmp_path / "b.db"), tmp_path / "files")
     row = db.create_batch(BatchRow.new("batch_x", "o", CHAT, "file-x", 0, 10, None, "in_progress"))
     seq = row.seq
     db.insert_lines(seq, [(1, "a", b"{}"), (2, "b", b"{}"), (3, "c", b"{}")])

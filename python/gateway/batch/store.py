@@ -71,6 +71,7 @@ __all__ = [
     "TERMINAL",
     "BatchRow",
     "Claimed",
+    "Database",
     "FileRow",
     "LineResult",
     "Store",
@@ -275,8 +276,9 @@ def output_ids(batch_id: str) -> tuple[str, str]:
     return f"file-out-{suffix}", f"file-err-{suffix}"
 
 
-class _Db:
-    """The connection and every statement; runs on the store's thread only."""
+class Database:
+    """The connection and every statement, synchronous; runs on the store's thread only
+    (`Store` is its async face). Public for tests that drive the store step by step."""
 
     def __init__(self, path: str, files_dir: Path) -> None:
         self.files_dir = files_dir
@@ -681,21 +683,21 @@ def _batch_values(row: BatchRow) -> tuple[Any, ...]:
 
 
 class Store:
-    """The async face of `_Db`: each call runs on the store's own thread."""
+    """The async face of `Database`: each call runs on the store's own thread."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.files_dir = Path(path + ".files")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-store")
-        self._db: _Db | None = None
+        self._db: Database | None = None
 
     @property
-    def db(self) -> _Db:
+    def db(self) -> Database:
         assert self._db is not None, "store not open"
         return self._db
 
     async def open(self) -> None:
-        self._db = await self._run(_Db, self.path, self.files_dir)
+        self._db = await self._run(Database, self.path, self.files_dir)
 
     async def close(self) -> None:
         if self._db is not None:
