@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from gateway.classify import ComplexityClassifier
 from gateway.cli import build_parser
 from gateway.config import DEFAULT_COMPLEX_KEYWORDS, DEFAULT_SIMPLE_KEYWORDS, parse_config
-from gateway.sim import demo
+from gateway.sim import analysis, demo, scenario
 from gateway.sim.report import (
     Band,
     Bars,
@@ -57,7 +58,7 @@ CHART_TITLES = (
 async def test_short_demo_tells_the_whole_story(tmp_path: Path) -> None:
     report = tmp_path / "report.html"
     out = io.StringIO()
-    options = demo.Options(duration=6, rate=30, report=str(report), seed=3, progress=False)
+    options = scenario.Options(duration=6, rate=30, report=str(report), seed=3, progress=False)
     result = await asyncio.wait_for(demo.main(options, out=out), 60)
 
     text = out.getvalue()
@@ -66,18 +67,18 @@ async def test_short_demo_tells_the_whole_story(tmp_path: Path) -> None:
     assert "realtime (high)" in result.summary and "batch (low)" in result.summary
     assert "in light" in result.summary and "in heavy" in result.summary
     # The crash story: injected, ejected, and (given the drain) back.
-    assert f"{demo.CRASHED} crashed" in result.summary
-    assert f"{demo.CRASHED} ejected" in result.summary
+    assert f"{scenario.CRASHED} crashed" in result.summary
+    assert f"{scenario.CRASHED} ejected" in result.summary
     last = result.snapshots[-1]
-    crashed = next(i for i in last.instances if i.name == demo.CRASHED)
+    crashed = next(i for i in last.instances if i.name == scenario.CRASHED)
     assert crashed.ejections >= 1
     # Every request got an answer; the few a crash may cost are streams already started.
     assert all(s.done is not None for s in result.samples)
     lost = [s for s in result.samples if not s.ok]
-    assert all(s.instance == demo.CRASHED and s.error == "stream_error" for s in lost), lost
+    assert all(s.instance == scenario.CRASHED and s.error == "stream_error" for s in lost), lost
     # Realtime waits far less than batch: what the dual queue is for.
-    high = demo._waits(result.samples, "high")
-    low = demo._waits(result.samples, "low")
+    high = analysis.wait_times(result.samples, "high")
+    low = analysis.wait_times(result.samples, "low")
     assert percentile(high, 50) < percentile(low, 50)
     # A quiet gateway at the end: nothing queued, nothing in flight.
     assert all(p.queued_high == p.queued_low == 0 for p in last.pools.values())
@@ -97,7 +98,7 @@ async def test_short_demo_tells_the_whole_story(tmp_path: Path) -> None:
 async def test_stopping_early_still_writes_the_report(tmp_path: Path) -> None:
     report = tmp_path / "early.html"
     stop = asyncio.Event()
-    options = demo.Options(duration=30, rate=20, report=str(report), seed=1, progress=False)
+    options = scenario.Options(duration=30, rate=20, report=str(report), seed=1, progress=False)
     loop = asyncio.get_running_loop()
     loop.call_later(1.5, stop.set)  # what the first Ctrl-C does
     t0 = loop.time()
@@ -114,14 +115,14 @@ async def test_stopping_early_still_writes_the_report(tmp_path: Path) -> None:
 
 
 def test_workload_is_a_function_of_the_seed() -> None:
-    a_jobs, a_script = demo.plan_workload(demo.Options(seed=7))
-    b_jobs, _ = demo.plan_workload(demo.Options(seed=7))
-    c_jobs, _ = demo.plan_workload(demo.Options(seed=8))
+    a_jobs, a_script = scenario.plan_workload(scenario.Options(seed=7))
+    b_jobs, _ = scenario.plan_workload(scenario.Options(seed=7))
+    c_jobs, _ = scenario.plan_workload(scenario.Options(seed=8))
     assert a_jobs == b_jobs
     assert a_jobs != c_jobs
-    o = demo.Options()
+    o = scenario.Options()
     backlog = [j for j in a_jobs if j.origin == "backlog"]
-    assert len(backlog) == round(demo.BACKLOG_PER_RATE_SECOND * o.rate * o.duration)
+    assert len(backlog) == round(scenario.BACKLOG_PER_RATE_SECOND * o.rate * o.duration)
     assert all(j.priority == "low" and j.at < 0.5 for j in backlog)
     assert all(a_script.surge[0] <= j.at < a_script.surge[1] for j in a_jobs if j.origin == "surge")
     assert a_script.surge[1] < a_script.crash_at < a_script.recover_at < o.duration
@@ -142,14 +143,14 @@ def test_workload_is_a_function_of_the_seed() -> None:
     )
 
 
-@pytest.mark.parametrize("prompt", demo.COMPLEX_PROMPTS)
+@pytest.mark.parametrize("prompt", scenario.COMPLEX_PROMPTS)
 def test_complex_prompts_carry_a_complex_keyword_only(prompt: str) -> None:
     text = prompt.lower()
     assert any(k in text for k in DEFAULT_COMPLEX_KEYWORDS)
     assert not any(k in text for k in DEFAULT_SIMPLE_KEYWORDS)
 
 
-@pytest.mark.parametrize("prompt", demo.SIMPLE_PROMPTS)
+@pytest.mark.parametrize("prompt", scenario.SIMPLE_PROMPTS)
 def test_simple_prompts_carry_a_simple_keyword_only(prompt: str) -> None:
     text = prompt.lower()
     assert any(k in text for k in DEFAULT_SIMPLE_KEYWORDS)
@@ -157,10 +158,10 @@ def test_simple_prompts_carry_a_simple_keyword_only(prompt: str) -> None:
 
 
 def test_config_is_valid_and_follows_the_flags() -> None:
-    options = demo.Options(policy="strict", balancer="p2c", seed=9)
+    options = scenario.Options(policy="strict", balancer="p2c", seed=9)
     light = ["http://127.0.0.1:1001/v1", "http://127.0.0.1:1002/v1"]
     heavy = ["http://127.0.0.1:1003/v1", "http://127.0.0.1:1004/v1"]
-    cfg = parse_config(demo.config_yaml(options, light, heavy), env={})
+    cfg = parse_config(scenario.config_yaml(options, light, heavy), env={})
     assert cfg.scheduler.policy == "strict"
     assert cfg.balancer == "p2c"
     assert cfg.seed == 9
@@ -170,8 +171,8 @@ def test_config_is_valid_and_follows_the_flags() -> None:
     assert cfg.models["judge-lite"].pool == "light"
     assert cfg.models["judge-pro"].pool == "heavy"
     assert (cfg.routing.complexity.simple, cfg.routing.complexity.complex) == ("light", "heavy")
-    assert cfg.health.probe.interval_ms == demo.PROBE_INTERVAL_MS
-    assert cfg.health.ejection_ms == demo.EJECTION_MS
+    assert cfg.health.probe.interval_ms == scenario.PROBE_INTERVAL_MS
+    assert cfg.health.ejection_ms == scenario.EJECTION_MS
 
 
 def test_flags() -> None:
@@ -188,15 +189,15 @@ def test_flags() -> None:
 
 def test_contended_grants_counts_only_grants_while_the_other_class_waited() -> None:
     waits = [
-        demo.Wait("light", "low", 0.0, 10.0),
-        demo.Wait("light", "high", 1.0, 1.5),  # granted while low waited: contended
-        demo.Wait("light", "high", 11.0, 11.5),  # nothing else waiting
-        demo.Wait("light", "low", 3.0, 4.0),  # granted while only low waited
-        demo.Wait("light", "high", 3.9, 4.5),  # ... but this high was waiting then: contended
-        demo.Wait("heavy", "high", 2.0, 3.0),  # another pool's queue
+        analysis.Wait("light", "low", 0.0, 10.0),
+        analysis.Wait("light", "high", 1.0, 1.5),  # granted while low waited: contended
+        analysis.Wait("light", "high", 11.0, 11.5),  # nothing else waiting
+        analysis.Wait("light", "low", 3.0, 4.0),  # granted while only low waited
+        analysis.Wait("light", "high", 3.9, 4.5),  # ... but this high was waiting then: contended
+        analysis.Wait("heavy", "high", 2.0, 3.0),  # another pool's queue
     ]
-    assert demo.contended_grants(waits, "light") == (2, 1)
-    assert demo.contended_grants(waits, "heavy") == (0, 0)
+    assert analysis.contended_grants(waits, "light") == (2, 1)
+    assert analysis.contended_grants(waits, "heavy") == (0, 0)
 
 
 # ---- report.py ----------------------------------------------------------------------------
@@ -291,29 +292,19 @@ def test_numbers() -> None:
     ]
 
 
-def test_complexity_header_only_until_the_classifier_decides(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from gateway.app import Gateway
-    from gateway.router import Decision, Router
-
+def test_the_classifier_tells_the_scenarios_prompts_apart() -> None:
+    """The story needs `route: auto` to send each prompt where its real complexity belongs:
+    the demo's config classifies every complex prompt complex and every simple one simple."""
     urls = [f"http://127.0.0.1:{p}/v1" for p in (1001, 1002)]
-    cfg = parse_config(demo.config_yaml(demo.Options(), urls, urls[::-1]), env={})
-    gw = Gateway(cfg)
-    real = Router.decide
-
-    def by_default(self: Router, alias: object, headers: object, body: object) -> Decision:
-        d = real(self, alias, {}, {})
-        return Decision(d.pool, d.priority, d.priority_rule, "simple", "default")
-
-    def by_keyword(self: Router, alias: object, headers: object, body: object) -> Decision:
-        d = real(self, alias, {}, {})
-        return Decision("heavy", d.priority, d.priority_rule, "complex", "keyword:prove")
-
-    monkeypatch.setattr(Router, "decide", by_default)
-    assert not demo._classifier_wired(gw)
-    monkeypatch.setattr(Router, "decide", by_keyword)
-    assert demo._classifier_wired(gw)
+    cfg = parse_config(scenario.config_yaml(scenario.Options(), urls, urls[::-1]), env={})
+    classifier = ComplexityClassifier.from_config(cfg)
+    for expected, prompts in (
+        ("complex", scenario.COMPLEX_PROMPTS),
+        ("simple", scenario.SIMPLE_PROMPTS),
+    ):
+        for prompt in prompts:
+            body = {"model": "judge", "messages": [{"role": "user", "content": prompt}]}
+            assert classifier.classify(body)[0] == expected, prompt
 
 
 def test_a_missing_report_directory_fails_fast(tmp_path: Path) -> None:
