@@ -26,6 +26,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -410,12 +411,11 @@ class Forwarder:
         may still be retried (`AttemptError`); after it, a failure ends the stream with an
         error event."""
         config = self._runtime().config
-        idle = config.timeouts.stream_idle_ms / 1000
         checker = SseChecker(config.limits.max_event_bytes)
+        idle = config.timeouts.stream_idle_ms / 1000
+        src = _Source(resp_up, upstream, checker, ex.watchdog, idle, deadline)
         try:
-            out, ended = await self._first_events(
-                ex, att, resp_up, upstream, checker, started, idle, deadline
-            )
+            out, ended = await self._first_events(src, att, started)
         except MalformedEvent as err:
             raise AttemptError(f"{upstream.name}: {err}") from None
         resp = web.StreamResponse(status=200, headers=_stream_headers(ex))
@@ -424,9 +424,7 @@ class Forwarder:
         try:
             await resp.write(self._scrub_events(upstream, out, checker))
             if not ended:
-                await self._relay_after_first(
-                    request, ex, resp_up, resp, upstream, checker, idle, deadline
-                )
+                await self._relay_after_first(request, src, resp)
         except asyncio.CancelledError:
             if self._hard_stopped():
                 with contextlib.suppress(Exception):
@@ -442,15 +440,7 @@ class Forwarder:
         return resp, await _end_stream(ex, att, resp, checker, failure)
 
     async def _relay_after_first(
-        self,
-        request: web.BaseRequest,
-        ex: Exchange,
-        resp_up: Response,
-        resp: web.StreamResponse,
-        upstream: Upstream,
-        checker: SseChecker,
-        idle: float,
-        deadline: float,
+        self, request: web.BaseRequest, src: _Source, resp: web.StreamResponse
     ) -> None:
         """The rest of a stream after its first event: spliced when the client's response is
         HTTP/1.1 chunked and uncompressed, read piece by piece otherwise."""
@@ -460,25 +450,16 @@ class Forwarder:
         writer = getattr(resp, "_payload_writer", None)
         chunked = writer is not None and getattr(writer, "chunked", False) is True
         if chunked and transport is not None and not resp.compression:
-            await self._splice_rest(ex, resp_up, resp, transport, upstream, checker, idle, deadline)
+            await self._splice_rest(src, resp, transport)
         else:
-            await self._relay_rest(ex, resp_up, resp, upstream, checker, idle, deadline)
+            await self._relay_rest(src, resp)
 
-    async def _first_events(
-        self,
-        ex: Exchange,
-        att: Attempt,
-        resp_up: Response,
-        upstream: Upstream,
-        checker: SseChecker,
-        started: float,
-        idle: float,
-        deadline: float,
-    ) -> tuple[bytes, bool]:
+    async def _first_events(self, src: _Source, att: Attempt, started: float) -> tuple[bytes, bool]:
         """Reads until the stream's first complete event (nothing is sent to the client
         before, so a stream that fails here is retried like any attempt): (the events, whether
         the stream already ended). Raises `AttemptError` or `MalformedEvent`."""
-        watchdog = ex.watchdog
+        resp_up, upstream, checker = src.resp, src.upstream, src.checker
+        watchdog, idle, deadline = src.watchdog, src.idle, src.deadline
         first = True
         while True:
             chunk = await _read_chunk(resp_up, watchdog, idle, deadline)
@@ -496,20 +477,12 @@ class Forwarder:
             if out:
                 return out, checker.done
 
-    async def _relay_rest(
-        self,
-        ex: Exchange,
-        resp_up: Response,
-        resp: web.StreamResponse,
-        upstream: Upstream,
-        checker: SseChecker,
-        idle: float,
-        deadline: float,
-    ) -> None:
+    async def _relay_rest(self, src: _Source, resp: web.StreamResponse) -> None:
         """A token stream after its first event, read piece by piece (a client the splice
         cannot serve: not HTTP/1.1 chunked). Ends at `[DONE]` (nothing after it is relayed)
         or the body's end."""
-        watchdog = ex.watchdog
+        resp_up, upstream, checker = src.resp, src.upstream, src.checker
+        watchdog, idle, deadline = src.watchdog, src.idle, src.deadline
         write, scrub = resp.write, self._scrub_events
         while not checker.done:
             chunk = await _read_chunk(resp_up, watchdog, idle, deadline)
@@ -523,15 +496,7 @@ class Forwarder:
                 await write(scrub(upstream, out, checker))
 
     async def _splice_rest(
-        self,
-        ex: Exchange,
-        resp_up: Response,
-        resp: web.StreamResponse,
-        transport: asyncio.Transport,
-        upstream: Upstream,
-        checker: SseChecker,
-        idle: float,
-        deadline: float,
+        self, src: _Source, resp: web.StreamResponse, transport: asyncio.Transport
     ) -> None:
         """The token stream's hot path, after its first event (the headers went out with it):
         the upstream connection's callback checks each piece's events and writes them, framed
@@ -539,7 +504,8 @@ class Forwarder:
         coroutine per event. The task only waits for the end, a failure, or the client to
         drain (flow control: the upstream is paused while the client's buffer is over
         `_CLIENT_HIGH_WATER`). Same checks and endings as `_relay_rest`."""
-        watchdog = ex.watchdog
+        resp_up, upstream, checker = src.resp, src.upstream, src.checker
+        watchdog, idle, deadline = src.watchdog, src.idle, src.deadline
         arm, clock = watchdog.arm, watchdog.loop.time
         write, buffered = transport.write, transport.get_write_buffer_size
         is_closing = transport.is_closing
@@ -583,6 +549,20 @@ class Forwarder:
         if checker.error_seen:
             out = _rewrite_error_events(out, lambda text: self._scrub(upstream, text))
         return upstream.scrub(out)
+
+
+@dataclass(slots=True)
+class _Source:
+    """The upstream side of one relayed stream: its response, its instance, the checker of
+    its events, and its timeouts. Made once per stream; the relay loops copy what they use
+    into locals, so nothing is looked up per event."""
+
+    resp: Response
+    upstream: Upstream
+    checker: SseChecker
+    watchdog: Watchdog
+    idle: float
+    deadline: float
 
 
 def is_instance_failure(status: int) -> bool:
