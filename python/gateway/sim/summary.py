@@ -8,10 +8,11 @@ import math
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 from gateway import __version__
 from gateway.config import Batch
+from gateway.sim import report
 from gateway.sim.analysis import (
     Wait,
     both_waiting,
@@ -25,22 +26,7 @@ from gateway.sim.analysis import (
     state_bands,
     wait_times,
 )
-from gateway.sim.report import (
-    Bars,
-    BoxGroup,
-    Marker,
-    Series,
-    Span,
-    bar_chart,
-    box_chart,
-    cdf_chart,
-    fmt_ms,
-    fmt_seconds,
-    line_chart,
-    page,
-    percentile,
-    timeline_chart,
-)
+from gateway.sim.report import fmt_ms, percentile
 from gateway.sim.run import DemoResult, Sample, Snapshot
 from gateway.sim.scenario import CLASS_NAME, COMPLEXITY_BY, CRASHED, LIGHT_BALANCER
 
@@ -260,19 +246,19 @@ def _story_lines(story: Sequence[tuple[float, str]]) -> list[str]:
 # ---- the report ----------------------------------------------------------------------------------
 
 
-def _markers(result: DemoResult) -> list[Marker]:
+def _markers(result: DemoResult) -> list[report.Marker]:
     out = []
     for e in result.events:
         if "crashed" in e.what:
-            out.append(Marker(e.t, f"{CRASHED} crashes", "#D55E00"))
+            out.append(report.Marker(e.t, f"{CRASHED} crashes", "#D55E00"))
         elif "restarted" in e.what:
-            out.append(Marker(e.t, f"{CRASHED} restarts", "#009E73"))
+            out.append(report.Marker(e.t, f"{CRASHED} restarts", "#009E73"))
         elif e.what.startswith("workload sent"):
-            out.append(Marker(e.t, "arrivals end", "#777"))
+            out.append(report.Marker(e.t, "arrivals end", "#777"))
     return out
 
 
-def _depth_series(snapshots: Sequence[Snapshot], pool: str, cls: str) -> Series:
+def _depth_series(snapshots: Sequence[Snapshot], pool: str, cls: str) -> report.Series:
     points = [
         (x.t, float(x.pools[pool].queued_high if cls == "high" else x.pools[pool].queued_low))
         for x in snapshots
@@ -280,12 +266,12 @@ def _depth_series(snapshots: Sequence[Snapshot], pool: str, cls: str) -> Series:
     ]
     peak = max((y for _, y in points), default=0.0)
     label = f"{CLASS_NAME[cls]} ({cls}) queued, peak {peak:.0f}"
-    return Series(label, points, CLASS_COLOR[cls], width=2.5 if cls == "high" else 2.0)
+    return report.Series(label, points, CLASS_COLOR[cls], width=2.5 if cls == "high" else 2.0)
 
 
-def _surge_span(result: DemoResult) -> Span:
+def _surge_span(result: DemoResult) -> report.Span:
     a, b = result.script.surge
-    return Span(a, b, "exam-deadline surge", "#fbeee0")
+    return report.Span(a, b, "exam-deadline surge", "#fbeee0")
 
 
 def render_report(result: DemoResult) -> str:
@@ -323,7 +309,7 @@ def render_report(result: DemoResult) -> str:
         ),
     ]
     o = result.options
-    return page(
+    return report.page(
         "gateway demo report",
         _intro(result),
         sections,
@@ -333,6 +319,16 @@ def render_report(result: DemoResult) -> str:
         ],
         meta=f"gateway {__version__} · {time.strftime('%Y-%m-%d %H:%M:%S')} · seed {o.seed}",
     )
+
+
+def _time_axis(x_range: tuple[float, float], markers: Sequence[report.Marker]) -> dict[str, Any]:
+    """What every chart over the run's time shares: its x axis, with the events marked."""
+    return {
+        "x_label": "seconds since start",
+        "x_range": x_range,
+        "x_fmt": report.fmt_seconds,
+        "markers": markers,
+    }
 
 
 def _intro(result: DemoResult) -> str:
@@ -374,7 +370,7 @@ def _wait_cdf(result: DemoResult) -> str:
         label = f"{CLASS_NAME[cls]} in pool heavy only, p99 {fmt_ms(percentile(waits, 99))}"
         wait_groups.append((label, waits, CLASS_COLOR[cls]))
         heavy_only.append(label)
-    return cdf_chart(
+    return report.cdf_chart(
         "Queue wait per class (CDF, X-Gateway-Queue-Ms)",
         wait_groups,
         x_label="time spent queued in the gateway (log scale)",
@@ -387,30 +383,27 @@ def _grants_figure(
     pool: str,
     waits: Sequence[Wait],
     x_range: tuple[float, float],
-    markers: Sequence[Marker],
+    markers: Sequence[report.Marker],
 ) -> tuple[str, str]:
     """Grants per second by class in `pool`, shaded where both classes waited."""
     starts, high, low, forced = grant_buckets(result.snapshots, pool)
     h, lo = contended_grants(waits, pool)
     share = f"{h / (h + lo):.0%} : {lo / (h + lo):.0%}" if h + lo else "n/a"
-    chart = bar_chart(
+    chart = report.bar_chart(
         f"Grants per second by class — pool {pool}",
         starts,
         [
-            Bars("realtime (high)", high, CLASS_COLOR["high"]),
-            Bars("batch (low)", low, CLASS_COLOR["low"]),
-            Bars(
+            report.Bars("realtime (high)", high, CLASS_COLOR["high"]),
+            report.Bars("batch (low)", low, CLASS_COLOR["low"]),
+            report.Bars(
                 f"batch forced by the starvation guard ({sum(forced):.0f})",
                 forced,
                 CLASS_COLOR["forced"],
             ),
         ],
-        x_label="seconds since start",
         y_label="slots granted per second",
-        x_range=x_range,
-        x_fmt=fmt_seconds,
         spans=both_waiting(result.snapshots, pool),
-        markers=markers,
+        **_time_axis(x_range, markers),
     )
     caption = (
         f"Each bar is one second of slot grants in pool {pool}. Shaded: both queues were "
@@ -422,21 +415,18 @@ def _grants_figure(
 
 
 def _depth_figure(
-    result: DemoResult, pool: str, x_range: tuple[float, float], markers: Sequence[Marker]
+    result: DemoResult, pool: str, x_range: tuple[float, float], markers: Sequence[report.Marker]
 ) -> tuple[str, str]:
     """The depth of `pool`'s two queues over time, the surge shaded."""
-    chart = line_chart(
+    chart = report.line_chart(
         f"Queue depth — pool {pool}",
         [
             _depth_series(result.snapshots, pool, "high"),
             _depth_series(result.snapshots, pool, "low"),
         ],
-        x_label="seconds since start",
         y_label="requests waiting",
-        x_range=x_range,
-        x_fmt=fmt_seconds,
         spans=[_surge_span(result)],
-        markers=markers,
+        **_time_axis(x_range, markers),
         height=240,
     )
     caption = (
@@ -447,13 +437,13 @@ def _depth_figure(
 
 
 def _in_flight_figure(
-    result: DemoResult, pool: str, x_range: tuple[float, float], markers: Sequence[Marker]
+    result: DemoResult, pool: str, x_range: tuple[float, float], markers: Sequence[report.Marker]
 ) -> tuple[str, str]:
     """Slots in use per instance of `pool` over time, under its max_concurrency."""
     insts = result.snapshots[0].instances if result.snapshots else ()
     members = [i for i in insts if i.pool == pool]
     series = [
-        Series(
+        report.Series(
             i.name,
             [
                 # Nudged apart by a few pixels: equal lines would hide each other.
@@ -469,19 +459,18 @@ def _in_flight_figure(
     ]
     cap = max((i.max_concurrency for i in members), default=1)
     series.append(
-        Series("max_concurrency", [(x_range[0], cap), (x_range[1], cap)], "#888", dashed=True)
+        report.Series(
+            "max_concurrency", [(x_range[0], cap), (x_range[1], cap)], "#888", dashed=True
+        )
     )
-    chart = line_chart(
+    chart = report.line_chart(
         f"In flight per instance — pool {pool} "
         f"({LIGHT_BALANCER if pool == 'light' else result.options.balancer})",
         series,
-        x_label="seconds since start",
         y_label="requests in flight",
-        x_range=x_range,
         y_range=(0, cap + 0.5),
         y_ticks=range(cap + 1),
-        x_fmt=fmt_seconds,
-        markers=markers,
+        **_time_axis(x_range, markers),
         height=240,
     )
     caption = "Slots in use on each instance; never above max_concurrency (dashed). " + (
@@ -497,11 +486,11 @@ def _in_flight_figure(
 
 
 def _health_figures(
-    result: DemoResult, x_range: tuple[float, float], markers: Sequence[Marker]
+    result: DemoResult, x_range: tuple[float, float], markers: Sequence[report.Marker]
 ) -> list[tuple[str, str]]:
     """Each instance's state over time, and the crash story in words."""
     bands = state_bands(result.snapshots)
-    timeline_svg = timeline_chart(
+    timeline_svg = report.timeline_chart(
         "Instance state over time (sampled from /admin/state every 200 ms)",
         list(bands.items()),
         {
@@ -509,10 +498,7 @@ def _health_figures(
             "half_open": STATE_COLOR["half_open"],
             "ejected": STATE_COLOR["ejected"],
         },
-        x_range=x_range,
-        x_label="seconds since start",
-        x_fmt=fmt_seconds,
-        markers=markers,
+        **_time_axis(x_range, markers),
     )
     story = "\n".join(_story_lines(crash_story(result))) or "(the run ended before the crash)"
     return [
@@ -531,11 +517,11 @@ def _latency_chart(result: DemoResult) -> str:
     groups = []
     for pool in pool_names(result):
         vals = [x.service_ms for x in s if x.ok and x.pool == pool and x.service_ms is not None]
-        groups.append(BoxGroup(f"pool {pool}", vals, "#555"))
+        groups.append(report.BoxGroup(f"pool {pool}", vals, "#555"))
         for name in sorted({x.instance for x in s if x.pool == pool and x.instance}):
             vals = [x.service_ms for x in s if x.ok and x.instance == name and x.service_ms]
-            groups.append(BoxGroup(name, vals, INSTANCE_COLOR.get(name, "#000")))
-    return box_chart(
+            groups.append(report.BoxGroup(name, vals, INSTANCE_COLOR.get(name, "#000")))
+    return report.box_chart(
         "Service time by pool and instance (end-to-end minus queue wait)",
         groups,
         y_label="milliseconds (log scale)",
@@ -568,7 +554,7 @@ def _rejudge_summary(result: DemoResult) -> list[str]:
 
 
 def _rejudge_section(
-    result: DemoResult, x_range: tuple[float, float], markers: Sequence[Marker]
+    result: DemoResult, x_range: tuple[float, float], markers: Sequence[report.Marker]
 ) -> list[tuple[str, list[tuple[str, str]]]]:
     """The report's chart of the re-judging batch's progress (none if it never ran)."""
     r = result.rejudge
@@ -577,19 +563,18 @@ def _rejudge_section(
     done = [(t, float(c)) for t, c, _ in r.progress]
     failed = [(t, float(f)) for t, _, f in r.progress]
     total = [(x_range[0], float(r.lines)), (x_range[1], float(r.lines))]
-    chart = line_chart(
+    chart = report.line_chart(
         "Batch API: overnight re-judging progress (GET /v1/batches/{id})",
         [
-            Series(f"lines completed ({done[-1][1]:.0f})", done, CLASS_COLOR["low"], step=True),
-            Series(f"lines failed ({failed[-1][1]:.0f})", failed, "#D55E00", step=True),
-            Series(f"lines in the batch ({r.lines})", total, "#888", dashed=True),
+            report.Series(
+                f"lines completed ({done[-1][1]:.0f})", done, CLASS_COLOR["low"], step=True
+            ),
+            report.Series(f"lines failed ({failed[-1][1]:.0f})", failed, "#D55E00", step=True),
+            report.Series(f"lines in the batch ({r.lines})", total, "#888", dashed=True),
         ],
-        x_label="seconds since start",
         y_label="lines",
-        x_range=x_range,
         y_range=(0, r.lines * 1.05 + 1),
-        x_fmt=fmt_seconds,
-        markers=markers,
+        **_time_axis(x_range, markers),
         height=240,
     )
     caption = (
