@@ -44,13 +44,11 @@ from typing import Any, Final
 import aiohttp
 import orjson
 import uvloop
-from aiohttp import web
 
+from _harness import serving
 from gateway import __version__
 from gateway._core import Affinity
 from gateway.app import Gateway
-from gateway.config import parse_config
-from gateway.server import Server
 from gateway.sim.mock import MockBehavior, MockServer
 from gateway.sim.report import percentile
 
@@ -126,11 +124,9 @@ class BatchedPrefillMock(MockServer):
     """A prefix-caching mock whose prefill slows with its running batch (the GPU is shared):
     a request arriving while n sequences run prefills at PREFILL_US × (1 + BATCH_SLOWDOWN·n)."""
 
-    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        if request.method == "POST" and request.path.startswith("/v1/"):
-            scaled = PREFILL_US * (1 + BATCH_SLOWDOWN * self.stats.in_flight)
-            self.configure(prefill_us_per_char=scaled)
-        return await super()._handle(request)
+    def before_generation(self) -> None:
+        scaled = PREFILL_US * (1 + BATCH_SLOWDOWN * self.stats.in_flight)
+        self.configure(prefill_us_per_char=scaled)
 
 
 @contextlib.asynccontextmanager
@@ -177,16 +173,6 @@ pools:
 models:
   judge: {{pool: judge}}
 """
-
-
-@contextlib.asynccontextmanager
-async def serving(text: str) -> AsyncIterator[tuple[Gateway, str]]:
-    server = Server(parse_config(text, env={}, source="affinity bench"), host="127.0.0.1", port=0)
-    await server.start()
-    try:
-        yield server.gateway, server.url
-    finally:
-        await server.shutdown()
 
 
 # ---- one run -------------------------------------------------------------------------------------
@@ -250,7 +236,10 @@ async def measure(o: Options, balancer: str, jobs: Sequence[Job]) -> Run:
     run = Run(balancer)
     async with (
         backends(o) as mocks,
-        serving(config_yaml(balancer, [m.url for m in mocks], o.seed)) as (gateway, base),
+        serving(config_yaml(balancer, [m.url for m in mocks], o.seed), "affinity bench") as (
+            gateway,
+            base,
+        ),
     ):
         watch_grants(gateway, run)
         loop = asyncio.get_running_loop()

@@ -33,9 +33,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import textwrap
 import time
@@ -48,38 +45,14 @@ import orjson
 import uvloop
 import yaml
 
+from _harness import PY, Processes, cpu_seconds, free_port, wait_port
 from gateway.auth import ANONYMOUS
 from gateway.config import parse_config
 from gateway.messages import ENDPOINTS
 from gateway.server import Server
 
-ROOT = Path(__file__).resolve().parent.parent
-PY = sys.executable
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 CHAT = "/v1/chat/completions"
 IN_FLIGHT = 64
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def wait_port(port: int, timeout: float = 20.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listening on {port}")
 
 
 def body(i: int) -> dict[str, Any]:
@@ -232,14 +205,8 @@ def main() -> int:
         batch: {{store: "{tmp / "batches.db"}", in_flight_per_batch: {IN_FLIGHT}}}
         """)
     )
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def spawn(core: str, *cmd: str) -> subprocess.Popen[bytes]:
-        full = ["taskset", "-c", core, *cmd] if pin else list(cmd)
-        p = subprocess.Popen(full, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        procs.append(p)
-        return p
-
+    procs = Processes()
+    spawn = procs.spawn
     try:
         spawn("1", PY, "-m", "gateway.cli", "mock", "--port", str(mock_port))
         wait_port(mock_port)
@@ -256,13 +223,7 @@ def main() -> int:
         print("\nin process: Gateway.call (the seam) vs the batch, this process's CPU")
         uvloop.run(in_process(cfg_in, args.lines, args.rounds))
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        procs.stop_all()
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

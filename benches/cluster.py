@@ -20,49 +20,20 @@ Needs wrk, taskset and redis-server (Debian: apt-get install wrk util-linux redi
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import textwrap
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PY = sys.executable
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+from _harness import PY, Processes, WrkResult, free_port, run_wrk, wait_port
+
 BODY = (
     '{"model":"m","messages":[{"role":"user","content":'
     '"does this compile? int main(){return 0;}"}],"max_tokens":8}'
 )
 KEY = "sk-bench-0000001"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_port(port: int, timeout: float = 20.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listening on {port}")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def redis_calls(port: int) -> int:
@@ -77,46 +48,9 @@ def redis_calls(port: int) -> int:
     return sum(int(n) for n in re.findall(r"^cmdstat_eval(?:sha)?:calls=(\d+)", out, re.M))
 
 
-@dataclass
-class Result:
-    rps: float
-    p50_ms: float
-    p99_ms: float
-    cpu_us: float
-    requests: int
-
-
-def latency(text: str, pct: str) -> float:
-    m = re.search(rf"^\s*{pct}%\s+([\d.]+)(us|ms|s)\s*$", text, re.M)
-    if not m:
-        return float("nan")
-    value, unit = float(m.group(1)), m.group(2)
-    return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
-
-
-def run_wrk(url: str, conns: int, duration: float, pid: int) -> Result:
-    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
-        body = BODY.replace('"', '\\"')
-        script.write(
-            f'wrk.method = "POST"\nwrk.body = "{body}"\n'
-            'wrk.headers["Content-Type"] = "application/json"\n'
-            f'wrk.headers["Authorization"] = "Bearer {KEY}"\n'
-        )
-    cpu0 = cpu_seconds(pid)
-    # fmt: off
-    cmd = [
-        "taskset", "-c", "1", "wrk", "-t1", f"-c{conns}", f"-d{max(1, round(duration))}s",
-        "--latency", "-s", script.name, url,
-    ]
-    # fmt: on
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    cpu1 = cpu_seconds(pid)
-    os.unlink(script.name)
-    if "Non-2xx" in out:
-        raise RuntimeError(f"errors from {url}:\n{out}")
-    total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
-    return Result(rps, latency(out, "50"), latency(out, "99"), (cpu1 - cpu0) / total * 1e6, total)
+def run(url: str, conns: int, duration: float, pid: int) -> WrkResult:
+    """One wrk run of the bench's request, as its tenant, measuring the gateway `pid`."""
+    return run_wrk(url, conns, duration, BODY, headers={"Authorization": f"Bearer {KEY}"}, pid=pid)
 
 
 def alternate(
@@ -126,18 +60,18 @@ def alternate(
     conns: int,
     duration: float,
     i: int,
-) -> dict[str, tuple[Result, float]]:
+) -> dict[str, tuple[WrkResult, float]]:
     """One `off` run and one `on` run back to back (which goes first alternates), each with
     the Redis round trips per request made meanwhile."""
-    out: dict[str, tuple[Result, float]] = {}
+    out: dict[str, tuple[WrkResult, float]] = {}
     for name in ("off", "on") if i % 2 == 0 else ("on", "off"):
         before = redis_calls(redis_port)
-        res = run_wrk(urls[name], conns, duration, gw[name].pid)
+        res = run(urls[name], conns, duration, gw[name].pid)
         out[name] = (res, (redis_calls(redis_port) - before) / res.requests)
     return out
 
 
-def report(conns: int, runs: list[dict[str, tuple[Result, float]]]) -> None:
+def report(conns: int, runs: list[dict[str, tuple[WrkResult, float]]]) -> None:
     """Medians over the alternations, and on/off ratios of the medians."""
 
     def med(name: str, field: str) -> float:
@@ -200,18 +134,8 @@ def main() -> int:
     (tmp / "off.yaml").write_text(config(off_port, mock_port, ""))
     cluster = f'cluster: {{redis_url: "redis://127.0.0.1:{redis_port}/0", replica_id: bench}}'
     (tmp / "on.yaml").write_text(config(on_port, mock_port, cluster))
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def spawn(core: str, *cmd: str) -> subprocess.Popen[bytes]:
-        p = subprocess.Popen(
-            ["taskset", "-c", core, *cmd],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        procs.append(p)
-        return p
-
+    procs = Processes()
+    spawn = procs.spawn
     try:
         # fmt: off
         spawn("1", "redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
@@ -240,7 +164,7 @@ def main() -> int:
             "on": f"http://127.0.0.1:{on_port}/v1/chat/completions",
         }
         for name in ("off", "on"):  # warm up: connections, and the lease grows to the load
-            run_wrk(urls[name], 64, 2.0, gw[name].pid)
+            run(urls[name], 64, 2.0, gw[name].pid)
         for conns in (64, 8, 1):
             report(
                 conns,
@@ -250,13 +174,7 @@ def main() -> int:
                 ],
             )
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        procs.stop_all()
     return 0
 
 

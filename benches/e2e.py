@@ -14,109 +14,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PY = sys.executable
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+from _harness import PY, ROOT, Processes, free_port, pinned, run_wrk, wait_port
 
 BODY = (
     '{"model":"m","messages":[{"role":"user","content":'
     '"does this compile? int main(){return 0;}"}],"max_tokens":8}'
 )
 STREAM_BODY = BODY[:-1] + ',"stream":true}'
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def wait_port(port: int, timeout: float = 20.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listening on {port}")
-
-
-@dataclass
-class Result:
-    name: str
-    conns: int
-    rps: float
-    p50_ms: float
-    p99_ms: float
-    cpu_us: float | None
-
-
-def parse_latency(text: str, pct: str) -> float:
-    m = re.search(rf"^\s*{pct}%\s+([\d.]+)(us|ms|s)\s*$", text, re.M)
-    if not m:
-        return float("nan")
-    value, unit = float(m.group(1)), m.group(2)
-    return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
-
-
-def run_wrk(url: str, conns: int, duration: float, body: str, pid: int | None) -> Result:
-    body_lua = body.replace("\\", "\\\\").replace('"', '\\"')
-    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
-        script.write(
-            f'wrk.method = "POST"\nwrk.body = "{body_lua}"\n'
-            'wrk.headers["Content-Type"] = "application/json"\n'
-        )
-    cpu0 = cpu_seconds(pid) if pid else 0.0
-    out = subprocess.run(
-        [
-            "taskset",
-            "-c",
-            "1",
-            "wrk",
-            "-t1",
-            f"-c{conns}",
-            f"-d{max(1, round(duration))}s",
-            "--latency",
-            "-s",
-            script.name,
-            url,
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    cpu1 = cpu_seconds(pid) if pid else 0.0
-    os.unlink(script.name)
-    total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
-    if "Non-2xx" in out:
-        raise RuntimeError(f"errors from {url}:\n{out}")
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
-    return Result(
-        "",
-        conns,
-        rps,
-        parse_latency(out, "50"),
-        parse_latency(out, "99"),
-        (cpu1 - cpu0) / total * 1e6 if pid else None,
-    )
 
 
 # An OTLP/HTTP collector that accepts every export and keeps nothing (for --otel).
@@ -188,19 +99,8 @@ def main() -> int:
           m: {{pool: p}}
         """)
     )
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def spawn(core: str, *cmd: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        p = subprocess.Popen(
-            ["taskset", "-c", core, *cmd],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        procs.append(p)
-        return p
-
+    procs = Processes()
+    spawn = procs.spawn
     try:
         spawn("1", PY, "-m", "gateway.cli", "mock", "--port", str(mock_port), *mock_tls)
         wait_port(mock_port)
@@ -244,7 +144,7 @@ def main() -> int:
             )
         bodies = [("json", BODY)] + ([("sse", STREAM_BODY)] if args.stream else [])
         for _, url, pid in targets:  # warm up connections and caches
-            run_wrk(url, 8, 1.0, BODY, pid)
+            run_wrk(url, 8, 1.0, BODY, pid=pid)
         for rnd in range(1, args.rounds + 1):
             if args.ttfc:
                 print(f"\nround {rnd}, time to first chunk, 1 connection, 300 sequential streams")
@@ -252,7 +152,7 @@ def main() -> int:
                 base_ttfc: tuple[float, float] | None = None
                 for name, url, _ in targets:
                     out = subprocess.run(
-                        ["taskset", "-c", "1", PY, "benches/ttfc.py", url, "300"],
+                        pinned("1", [PY, "benches/ttfc.py", url, "300"]),
                         cwd=ROOT,
                         capture_output=True,
                         text=True,
@@ -269,7 +169,7 @@ def main() -> int:
                 for conns in (64, 8, 1):
                     results = {}
                     for name, url, pid in targets:
-                        r = run_wrk(url, conns, args.duration, body, pid)
+                        r = run_wrk(url, conns, args.duration, body, pid=pid)
                         r.name = name
                         results[name] = r
                     base = results["bare-proxy"]
@@ -293,13 +193,7 @@ def main() -> int:
                             flush=True,
                         )
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        procs.stop_all()
     return 0
 
 

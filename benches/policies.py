@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import random
 import sys
 import time
@@ -45,14 +44,22 @@ from typing import Final
 import aiohttp
 import orjson
 import uvloop
-from aiohttp import web
 
-from gateway import __version__, demo, report
+from _harness import serving
+from gateway import __version__
 from gateway.app import Gateway
-from gateway.config import parse_config
-from gateway.server import Server
+from gateway.sim import report
+from gateway.sim.analysis import (
+    Wait,
+    answered_waits,
+    both_waiting,
+    contended_grants,
+    grant_buckets,
+)
 from gateway.sim.mock import MockBehavior, MockServer
 from gateway.sim.report import fmt_ms, percentile
+from gateway.sim.run import LogCapture, Snapshot, snapshot_of
+from gateway.sim.summary import CLASS_COLOR
 
 BALANCERS: Final = ("least_connections", "round_robin", "random", "p2c")
 SHORT: Final = {"least_connections": "lc", "round_robin": "rr", "random": "random", "p2c": "p2c"}
@@ -60,7 +67,6 @@ BALANCER_COLOR: Final = dict(
     zip(BALANCERS, ("#0072B2", "#D55E00", "#009E73", "#CC79A7"), strict=True)
 )
 POLICIES: Final = ("weighted", "strict")
-CLASS_COLOR: Final = demo.CLASS_COLOR
 
 SIM_TPS: Final = 10.0  # simulated tokens per second: a 30 s job asks for 300 tokens
 SHORT_S, LONG_S, LONG_SHARE, JITTER = 2.0, 30.0, 0.2, 0.25  # lengths ± 25 %
@@ -135,11 +141,9 @@ class LoadSensitiveMock(MockServer):
         super().__init__(behavior)
         self.full_speed = behavior
 
-    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        if request.method == "POST" and request.path.startswith("/v1/"):
-            pace = self.full_speed.tokens_per_s / (1 + SLOWDOWN * self.stats.in_flight)
-            self.configure(tokens_per_s=pace)
-        return await super()._handle(request)
+    def before_generation(self) -> None:
+        pace = self.full_speed.tokens_per_s / (1 + SLOWDOWN * self.stats.in_flight)
+        self.configure(tokens_per_s=pace)
 
 
 def config_yaml(policy: str, pools: dict[str, tuple[str, list[str]]], seed: int) -> str:
@@ -165,17 +169,6 @@ def config_yaml(policy: str, pools: dict[str, tuple[str, list[str]]], seed: int)
     out.append("models:")
     out += [f"  {name}: {{pool: {name}}}" for name in pools]
     return "\n".join(out) + "\n"
-
-
-@contextlib.asynccontextmanager
-async def serving(text: str) -> AsyncIterator[tuple[Gateway, str]]:
-    """The gateway of config `text` on an ephemeral port: (gateway, base URL)."""
-    server = Server(parse_config(text, env={}, source="policies bench"), host="127.0.0.1", port=0)
-    await server.start()
-    try:
-        yield server.gateway, server.url
-    finally:
-        await server.shutdown()
 
 
 @contextlib.asynccontextmanager
@@ -209,8 +202,8 @@ class Phase:
     """What one phase observed; times are seconds from its start."""
 
     targets: dict[str, Target]
-    snapshots: dict[str, list[demo.Snapshot]]  # per gateway
-    capture: demo.LogCapture
+    snapshots: dict[str, list[Snapshot]]  # per gateway
+    capture: LogCapture
     end: float = 0.0
     unfinished: int = 0
     config: str = ""
@@ -248,15 +241,13 @@ async def drive(
     every 200 ms, then waits at most `drain_s` for the answers still owed."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    phase = Phase(
-        {t.name: t for t in targets}, {g: [] for g in gateways}, demo.LogCapture(time.time())
-    )
+    phase = Phase({t.name: t for t in targets}, {g: [] for g in gateways}, LogCapture(time.time()))
     finished = asyncio.Event()
 
     async def sampler() -> None:
         while True:
             for name, gw in gateways.items():
-                phase.snapshots[name].append(demo.snapshot_of(loop.time() - t0, gw.state()))
+                phase.snapshots[name].append(snapshot_of(loop.time() - t0, gw.admin.state()))
             if finished.is_set():
                 return
             with contextlib.suppress(TimeoutError):
@@ -265,10 +256,8 @@ async def drive(
     pending: set[asyncio.Task[None]] = set()
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None)
-    # The access log (at INFO) gives each request's wait interval, for the grant shares.
-    logger = logging.getLogger("gateway")
-    logger.setLevel(logging.INFO)
-    logger.addHandler(phase.capture)
+    # The gateways' RequestFinished events give each request's wait, for the grant shares.
+    unsubscribe = [gw.events.subscribe(phase.capture.on_event) for gw in gateways.values()]
     try:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             sampling = asyncio.create_task(sampler())
@@ -293,7 +282,8 @@ async def drive(
             finished.set()
             await sampling
     finally:
-        logger.removeHandler(phase.capture)
+        for stop in unsubscribe:
+            stop()
     return phase
 
 
@@ -314,7 +304,7 @@ async def balancers(o: Options, sensitive: bool) -> tuple[Phase, float]:
             for k, b in enumerate(BALANCERS)
         }
         text = config_yaml("weighted", pools, o.seed)
-        async with serving(text) as (gw, base):
+        async with serving(text, "policies bench") as (gw, base):
             targets = [Target(b, base, SHORT[b]) for b in BALANCERS]
             label = "B load-sensitive" if sensitive else "A fixed-speed"
             phase = await drive(targets, {"gw": gw}, jobs, 200 * o.scale, label)
@@ -336,7 +326,9 @@ async def priority(o: Options) -> Phase:
             servers = await stack.enter_async_context(mocks(PRIO_INSTANCES, o.scale))
             pool = {policy: ("least_connections", [m.url for m in servers])}
             texts.append(config_yaml(policy, pool, o.seed))
-            gws[policy], base = await stack.enter_async_context(serving(texts[-1]))
+            gws[policy], base = await stack.enter_async_context(
+                serving(texts[-1], "policies bench")
+            )
             targets.append(Target(policy, base, policy))
         drain = o.windows[1] * OVERLOAD * 4 * o.scale
         phase = await drive(targets, gws, jobs, drain, "priority")
@@ -347,17 +339,11 @@ async def priority(o: Options) -> Phase:
 # ---- analysis ------------------------------------------------------------------------------------
 
 
-def waits_of(capture: demo.LogCapture, pool: str) -> list[demo.Wait]:
-    """Each queued request's wait interval, from the access log (as `gateway demo` does):
-    the line is written at the end, with `total_ms` since arrival and `queue_ms` queued."""
-    out = []
-    for f in capture.access.values():
-        queue_ms = float(f.get("queue_ms") or 0.0)
-        if f.get("pool") != pool or queue_ms < 0.2 or f.get("attempts") != 1:
-            continue
-        start = float(f["t"]) - float(f["total_ms"]) / 1000
-        out.append(demo.Wait(pool, str(f.get("priority")), start, start + queue_ms / 1000))
-    return out
+def waits_of(capture: LogCapture, pool: str) -> list[Wait]:
+    """Each queued request's wait in `pool`, from the gateway's events (as `gateway demo`
+    computes it: `gateway.sim.analysis.answered_waits`)."""
+    waits = answered_waits(capture.answered.values(), capture.wall_start)
+    return [w for w in waits if w.pool == pool]
 
 
 def _p(values: Sequence[float], q: float) -> str:
@@ -389,7 +375,7 @@ def stretch(samples: Sequence[Sample]) -> float:
     return sum(r) / len(r) if r else 0.0
 
 
-def inflight_spread(snapshots: Sequence[demo.Snapshot], pool: str) -> float:
+def inflight_spread(snapshots: Sequence[Snapshot], pool: str) -> float:
     """Mean over the state samples (of a busy pool) of max − min in flight per instance."""
     gaps = [
         max(f) - min(f)
@@ -428,7 +414,7 @@ def priority_table(phase: Phase) -> list[str]:
         f"{'wait p99':>10}{'wait max':>10}{'grants while both waited':>26}{'forced low':>12}"
     ]
     for policy, t in phase.targets.items():
-        h, lo = demo.contended_grants(waits_of(phase.capture, policy), policy)
+        h, lo = contended_grants(waits_of(phase.capture, policy), policy)
         snaps = phase.snapshots[policy]
         forced = snaps[-1].pools[policy].forced_low if snaps else 0
         for cls, n in (("high", h), ("low", lo)):
@@ -510,8 +496,8 @@ def priority_charts(p: Phase, window: float) -> list[tuple[str, str]]:
     end = [report.Marker(window, "arrivals end", "#777")]
     for policy in POLICIES:
         snaps = p.snapshots[policy]
-        starts, high, low, forced = demo.grant_buckets(snaps, policy)
-        h, lo = demo.contended_grants(waits_of(p.capture, policy), policy)
+        starts, high, low, forced = grant_buckets(snaps, policy)
+        h, lo = contended_grants(waits_of(p.capture, policy), policy)
         layers = [
             report.Bars("high", high, CLASS_COLOR["high"]),
             report.Bars("low (by turn)", low, CLASS_COLOR["low"]),
@@ -527,7 +513,7 @@ def priority_charts(p: Phase, window: float) -> list[tuple[str, str]]:
             y_label="slots granted per second",
             x_range=x_range,
             x_fmt=report.fmt_seconds,
-            spans=demo.both_waiting(snaps, policy),
+            spans=both_waiting(snaps, policy),
             markers=end,
         )
         share = f"{h / (h + lo):.0%} : {lo / (h + lo):.0%}" if h + lo else "n/a"

@@ -36,7 +36,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,33 +47,10 @@ from typing import Any
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parent.parent
-PY = sys.executable
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+from _harness import PY, ROOT, cpu_seconds, free_port, pinned, stop, wait_port
 
 FAULTS = ("crash", "5xx", "stall", "hang", "reset", "kill", "slow")
 FAULT_S = 6.0  # how long a config fault lasts
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_port(
-    port: int, timeout: float = 30.0, proc: subprocess.Popen[bytes] | None = None
-) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited ({proc.returncode}) before listening on {port}")
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listening on {port}")
 
 
 def proc_status(pid: int) -> dict[str, int]:
@@ -84,11 +60,6 @@ def proc_status(pid: int) -> dict[str, int]:
         if key in ("VmRSS", "VmHWM", "Threads"):
             out[key] = int(value.split()[0])
     return out
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def fd_kinds(pid: int, listen_port: int, upstream_ports: set[int]) -> dict[str, int]:
@@ -150,34 +121,34 @@ class Mock:
     def start(self) -> None:
         with self.log.open("ab") as logf:
             self.proc = subprocess.Popen(
-                [
-                    "taskset",
-                    "-c",
+                pinned(
                     "1",
-                    PY,
-                    "-m",
-                    "gateway.cli",
-                    "mock",
-                    "--port",
-                    str(self.port),
-                    "--model",
-                    "up",
-                    "--latency-ms",
-                    "40",
-                    "--latency-dist",
-                    "lognormal",
-                    "--tokens-per-s",
-                    "100",
-                    "--tokens",
-                    "16",
-                    "--seed",
-                    str(self.seed),
-                ],
+                    [
+                        PY,
+                        "-m",
+                        "gateway.cli",
+                        "mock",
+                        "--port",
+                        str(self.port),
+                        "--model",
+                        "up",
+                        "--latency-ms",
+                        "40",
+                        "--latency-dist",
+                        "lognormal",
+                        "--tokens-per-s",
+                        "100",
+                        "--tokens",
+                        "16",
+                        "--seed",
+                        str(self.seed),
+                    ],
+                ),
                 cwd=ROOT,
                 stdout=logf,
                 stderr=logf,
             )
-        wait_port(self.port, proc=self.proc)
+        wait_port(self.port, 30.0, self.proc)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -185,13 +156,8 @@ class Mock:
             self.proc.wait()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop(self.proc)
 
 
 class Load:
@@ -480,9 +446,9 @@ def start_gateway(cmd: list[str], port: int, log: Path) -> subprocess.Popen[byte
     runs: a failed start is retried (8 tries, 20 s apart)."""
     for attempt in range(1, 9):
         with log.open("ab") as logf:
-            gw = subprocess.Popen(["taskset", "-c", "0", *cmd], cwd=ROOT, stdout=logf, stderr=logf)
+            gw = subprocess.Popen(pinned("0", cmd), cwd=ROOT, stdout=logf, stderr=logf)
         try:
-            wait_port(port, proc=gw)
+            wait_port(port, 30.0, gw)
             return gw
         except RuntimeError as exc:
             tail = log.read_text(errors="replace").strip().splitlines()[-1:]
@@ -772,13 +738,8 @@ def main() -> int:
         gw = start_gateway(cmd, gw_port, tmp / "gateway.log")
         result = uvloop.run(soak(args, gw, gw_port, mocks, tmp))
     finally:
-        if gw is not None and gw.poll() is None:
-            gw.send_signal(signal.SIGTERM)
-            try:
-                gw.wait(30)
-            except subprocess.TimeoutExpired:
-                gw.kill()
-                gw.wait()
+        if gw is not None:
+            stop(gw, 30.0)
         for m in mocks:
             m.stop()
     result["gateway_exit"] = gw.returncode if gw is not None else None

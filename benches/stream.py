@@ -32,8 +32,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,39 +42,12 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-ROOT = Path(__file__).resolve().parent.parent
-PY = sys.executable
+from _harness import PY, ROOT, cpu_seconds, free_port, pinned, stop, wait_port
+
 HERE = Path(__file__).resolve()
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 TS_DIGITS = 20  # the send timestamp, zero-padded in a JSON string: every event has one length
 
 # ---- shared helpers ---------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_port(
-    port: int, timeout: float = 30.0, proc: subprocess.Popen[bytes] | None = None
-) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited ({proc.returncode}) before listening on {port}")
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listening on {port}")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def sched_ns(pid: int) -> int:
@@ -462,11 +433,9 @@ class Proxy:
         self.port = port
         self.log = log
         self.logf = log.open("ab")
-        self.proc = subprocess.Popen(
-            ["taskset", "-c", "0", *cmd], cwd=ROOT, stdout=self.logf, stderr=self.logf
-        )
+        self.proc = subprocess.Popen(pinned("0", cmd), cwd=ROOT, stdout=self.logf, stderr=self.logf)
         try:
-            wait_port(port, proc=self.proc)
+            wait_port(port, 30.0, self.proc)
         except RuntimeError:
             self.stop()
             raise
@@ -476,13 +445,7 @@ class Proxy:
         return self.proc.pid
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc, 15.0)
         self.logf.close()
 
 
@@ -512,29 +475,29 @@ def run_load(
     out = tmp / f"client-{port}-{streams}-{time.monotonic_ns()}.json"
     timeout = stagger + events * interval_ms / 1000 * 3 + 30
     subprocess.run(
-        [
-            "taskset",
-            "-c",
+        pinned(
             "1",
-            PY,
-            str(HERE),
-            "--role",
-            "client",
-            "--port",
-            str(port),
-            "--path",
-            path,
-            "--streams",
-            str(streams),
-            "--events",
-            str(events),
-            "--stagger",
-            str(stagger),
-            "--timeout",
-            str(timeout),
-            "--out",
-            str(out),
-        ],
+            [
+                PY,
+                str(HERE),
+                "--role",
+                "client",
+                "--port",
+                str(port),
+                "--path",
+                path,
+                "--streams",
+                str(streams),
+                "--events",
+                str(events),
+                "--stagger",
+                str(stagger),
+                "--timeout",
+                str(timeout),
+                "--out",
+                str(out),
+            ],
+        ),
         cwd=ROOT,
         check=True,
         timeout=timeout + 30,
@@ -785,29 +748,16 @@ def orchestrate(args: argparse.Namespace) -> int:
           m: {{pool: p}}
         """)
     )
+    role = ["--role", "upstream", "--port", str(up_port), "--events", str(args.events)]
     upstream = subprocess.Popen(
-        [
-            "taskset",
-            "-c",
-            "1",
-            PY,
-            str(HERE),
-            "--role",
-            "upstream",
-            "--port",
-            str(up_port),
-            "--events",
-            str(args.events),
-            "--interval-ms",
-            str(args.interval_ms),
-        ],
+        pinned("1", [PY, str(HERE), *role, "--interval-ms", str(args.interval_ms)]),
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
     )
     all_rows: list[dict[str, Any]] = []
     started = time.time()
     try:
-        wait_port(up_port, proc=upstream)
+        wait_port(up_port, 30.0, upstream)
         for rnd in range(1, args.rounds + 1):
             for streams in stream_counts:
                 rows = []
@@ -819,11 +769,7 @@ def orchestrate(args: argparse.Namespace) -> int:
                 print_table(rows, rnd, streams, args)
                 all_rows.extend(rows)
     finally:
-        upstream.send_signal(signal.SIGTERM)
-        try:
-            upstream.wait(5)
-        except subprocess.TimeoutExpired:
-            upstream.kill()
+        stop(upstream, 5.0)
     if args.json:
         doc = {
             "benchmark": "stream",

@@ -413,19 +413,26 @@ class MockServer:
         self._gen_seq = 0
         self._rng.seed(self.behavior.seed)
 
+    def before_generation(self) -> None:
+        """Called as each generation request arrives, before it counts in `stats.in_flight`;
+        does nothing. A subclass may `configure()` the behaviour from the load here (the
+        benchmarks' load-sensitive backends do)."""
+
     # ---- request handling -----------------------------------------------------------------
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         path = request.path
         if path.startswith("/mock/"):
             return await self._control(request, path)
+        kind = _GEN_PATHS.get(path)
+        gen = kind is not None and request.method == "POST"
+        if gen:
+            self.before_generation()
         st = self.stats
         b = self.behavior
         st.requests_total += 1
-        kind = _GEN_PATHS.get(path)
         key = path if kind is not None or path in _GET_PATHS else "other"
         st.by_path[key] = st.by_path.get(key, 0) + 1
-        gen = kind is not None and request.method == "POST"
         call = _Call(request)
         if gen:
             if b.max_concurrency and st.in_flight >= b.max_concurrency:
