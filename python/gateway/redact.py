@@ -32,16 +32,25 @@ _KEY_LIKE = re.compile(r"\bsk-[A-Za-z0-9_\-]{6,}")
 
 
 def secrets_of(config: Config) -> set[str]:
-    """Every secret a config holds: each field typed `Secret`, and the credentials inside
-    a proxy URL (a log line may quote them on their own)."""
-    out = set(secret_values(config))
-    for pool in config.pools.values():
-        for inst in pool.instances:
-            if inst.proxy:
-                parts = urlsplit(inst.proxy)
-                out.update(p for p in (parts.username, parts.password) if p)
+    """Every secret a config holds: each field typed `Secret`, and for one that is a URL
+    (an egress proxy, Redis) the credentials inside it, which a log line may quote alone."""
+    out: set[str] = set()
+    for value in secret_values(config):
+        out.add(value)
+        out.update(_url_credentials(value))
     # Very short values would mask ordinary words; they are not credentials anyway.
     return {s for s in out if len(s) >= 6}
+
+
+def _url_credentials(value: str) -> list[str]:
+    """The user name and password of `scheme://user:password@host/...`, if it is one."""
+    if "://" not in value or "@" not in value:
+        return []
+    try:
+        parts = urlsplit(value)
+    except ValueError:
+        return []
+    return [p for p in (parts.username, parts.password) if p]
 
 
 class Redactor:
