@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import RateLimited as _RateLimited
+from gateway.messages import message_chars
 
 __all__ = ["KeyLimits", "estimate_tokens"]
 
@@ -25,17 +26,7 @@ DEFAULT_COMPLETION_ESTIMATE = 256
 
 def estimate_tokens(body: Mapping[str, Any]) -> int:
     """A cheap upper-ish estimate: ~4 characters per prompt token plus the completion budget."""
-    chars = 0
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        for m in messages:
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, str):
-                chars += len(content)
-            elif isinstance(content, list):
-                for part in content:
-                    if isinstance(part, dict) and isinstance(part.get("text"), str):
-                        chars += len(part["text"])
+    chars = message_chars(body.get("messages"))
     for field in ("prompt", "input"):
         value = body.get(field)
         if isinstance(value, str):

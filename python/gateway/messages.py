@@ -13,7 +13,7 @@ import orjson
 
 from gateway.errors import InvalidRequest
 
-__all__ = ["ENDPOINTS", "Endpoint", "parse_request"]
+__all__ = ["ENDPOINTS", "Endpoint", "message_chars", "parse_request"]
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
@@ -114,3 +114,19 @@ def parse_request(body: bytes, endpoint: Endpoint) -> dict[str, Any]:
     if data.get("stream") and not endpoint.streams:
         raise InvalidRequest("This endpoint does not stream.", param="stream")
     return data
+
+
+def message_chars(messages: object) -> int:
+    """The characters of text in a chat request's `messages` (string contents and the `text`
+    of content parts): what token estimates count, ~4 to a token. Anything else is 0."""
+    chars = 0
+    if isinstance(messages, list):
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                        chars += len(part["text"])
+    return chars

@@ -46,6 +46,7 @@ import orjson
 from aiohttp import web
 
 from gateway.affinity import render_prefix
+from gateway.messages import message_chars
 
 __all__ = [
     "FAIL_MODES",
@@ -218,14 +219,7 @@ def _prompt_tokens(body: dict[str, Any], kind: str) -> int:
     """≈ chars/4, the usual rule of thumb for English BPE vocabularies."""
     chars = 0
     if kind == "chat":
-        for msg in body.get("messages") or ():
-            content = msg.get("content") if isinstance(msg, dict) else None
-            if isinstance(content, str):
-                chars += len(content)
-            elif isinstance(content, list):
-                for part in content:
-                    if isinstance(part, dict) and isinstance(part.get("text"), str):
-                        chars += len(part["text"])
+        chars = message_chars(body.get("messages"))
     else:
         prompt = body.get("prompt") if kind == "text" else body.get("input")
         items = prompt if isinstance(prompt, list) else [prompt]
