@@ -47,8 +47,10 @@ typecheck: build-dev ## mypy --strict and stubtest of the extension's stub
 	$(VENV)/bin/mypy --strict python/gateway
 	$(VENV)/bin/python -m mypy.stubtest gateway._core
 
-test-rust: ## cargo test of the pure core (never links libpython)
+test-rust: ## cargo test of the pure core (never links libpython), and its loom models
 	cargo test --workspace --exclude gateway-py
+	@# SPEC §12: every interleaving of the shared region's protocols, a worker killed at each step
+	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p gateway-core --test loom_shm --release
 
 test-python: build-dev ## pytest: unit, integration over loopback, the official openai client
 	@# pytest exits 5 when it collects no test: that is not a failure of the code under test

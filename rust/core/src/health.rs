@@ -192,6 +192,22 @@ impl Breaker {
         self.cool_until = self.cool_until.max(until);
     }
 
+    /// SPEC §12: another worker ejected this instance until `until`; it holds here too (a
+    /// later end already here wins). Trials in flight stop speaking for it, as on an ejection.
+    pub fn adopt_ejection(&mut self, until: Millis) {
+        if self.state == InstanceState::Ejected && self.ejected_until >= until {
+            return;
+        }
+        self.state = InstanceState::Ejected;
+        self.ejected_until = until;
+        self.consecutive_failures = 0;
+        self.consecutive_successes = 0;
+        self.trials = 0;
+        self.probe_ok = false;
+        self.epoch = self.epoch.wrapping_add(1);
+        self.ejections += 1;
+    }
+
     fn count_failure(&mut self, cfg: &HealthConfig, now: Millis) {
         self.consecutive_failures += 1;
         // SPEC §6: "After failure_threshold consecutive failures the instance is ejected".

@@ -17,6 +17,8 @@ pub mod pool;
 pub mod queue;
 pub mod rng;
 pub mod selector;
+pub mod shared;
+pub mod shm;
 pub mod types;
 
 pub use affinity::HashRing;

@@ -19,6 +19,8 @@ use crate::error::CoreError;
 use crate::health::{Breaker, HealthConfig};
 use crate::queue::{ClassQueue, Entry};
 use crate::selector::{Choice, Selector, SelectorConfig};
+use crate::shared::Shared;
+use crate::shm::{min_opt, Region};
 use crate::types::{
     Affinity, BalancerKind, InstanceState, Millis, Outcome, Priority, Tenant, Ticket,
 };
@@ -151,6 +153,8 @@ type TicketMap = HashMap<Ticket, TicketState, BuildHasherDefault<TicketHasher>>;
 pub struct Instance {
     pub max_concurrency: u32,
     pub in_flight: u32,
+    /// SPEC §12: attempts other workers have on it (0 when one process owns the pool).
+    pub peer_in_flight: u32,
     pub breaker: Breaker,
     /// Removed by a reload: takes nothing new, drains what it has.
     pub removed: bool,
@@ -174,7 +178,7 @@ impl Instance {
     /// The load of an instance whose backend reports nothing: its own attempts only.
     fn load(&self) -> Load {
         Load {
-            active: self.in_flight,
+            active: self.in_flight.saturating_add(self.peer_in_flight),
             capacity: self.max_concurrency,
             cache_permille: 0,
         }
@@ -183,7 +187,10 @@ impl Instance {
     /// SPEC §15 "Backend load": this pool's attempts plus the backend's own queue.
     fn load_with(&self, extra: &InstanceExtra) -> Load {
         Load {
-            active: self.in_flight.saturating_add(extra.backend_waiting),
+            active: self
+                .in_flight
+                .saturating_add(self.peer_in_flight)
+                .saturating_add(extra.backend_waiting),
             capacity: self.max_concurrency,
             cache_permille: extra.cache_permille,
         }
@@ -191,7 +198,14 @@ impl Instance {
 
     /// Requests on the instance, for the affinity bound.
     fn active(&self, extra: &InstanceExtra) -> u64 {
-        u64::from(self.in_flight) + u64::from(extra.backend_waiting)
+        u64::from(self.in_flight)
+            + u64::from(self.peer_in_flight)
+            + u64::from(extra.backend_waiting)
+    }
+
+    /// Whether another attempt fits under its cap (every worker's attempts counted).
+    fn has_room(&self) -> bool {
+        self.in_flight.saturating_add(self.peer_in_flight) < self.max_concurrency
     }
 }
 
@@ -272,6 +286,8 @@ pub struct Pool {
     up_mask: Option<u64>,
     drain: DrainMeter,
     stats: PoolStats,
+    /// SPEC §12: the workers' shared state of this pool (`None`: this process owns it).
+    shared: Option<Shared>,
 }
 
 impl Pool {
@@ -296,6 +312,7 @@ impl Pool {
             up_mask: None,
             drain: DrainMeter::default(),
             stats: PoolStats::default(),
+            shared: None,
             cfg,
         })
     }
@@ -310,6 +327,9 @@ impl Pool {
         self.queues[1].capacity = cfg.low_capacity;
         if cfg.selector != self.cfg.selector {
             self.selector.reset_credit();
+            if let Some(shared) = &self.shared {
+                shared.reset_credit();
+            }
         }
         self.balancer.kind = cfg.balancer;
         self.cfg = cfg;
@@ -353,6 +373,7 @@ impl Pool {
         let fresh = Instance {
             max_concurrency,
             in_flight: 0,
+            peer_in_flight: 0,
             breaker: Breaker::new(),
             removed: false,
         };
@@ -360,6 +381,9 @@ impl Pool {
             ring_id: ring_id.unwrap_or(idx as u64),
             ..InstanceExtra::default()
         };
+        if let Some(shared) = self.shared.as_mut() {
+            shared.bind(idx, extra.ring_id).ok_or_else(slots_used_up)?;
+        }
         if idx < self.instances.len() {
             self.instances[idx] = fresh;
             self.extras[idx] = extra;
@@ -455,6 +479,24 @@ impl Pool {
         if self.tickets.contains_key(&ticket) {
             return Err(CoreError::DuplicateTicket(ticket));
         }
+        if self.shared.is_none() {
+            return self.submit_inner(ticket, priority, tenant, excluded, affinity_key, now);
+        }
+        self.sync(now);
+        let admit = self.submit_inner(ticket, priority, tenant, excluded, affinity_key, now);
+        self.publish(now, false);
+        admit
+    }
+
+    fn submit_inner(
+        &mut self,
+        ticket: Ticket,
+        priority: Priority,
+        tenant: Tenant,
+        excluded: u64,
+        affinity_key: u64,
+        now: Millis,
+    ) -> Result<Admit, CoreError> {
         self.advance(now);
         // SPEC §6: nothing this request may use is up — answer now (fallback or 503).
         if !self.any_available(excluded) {
@@ -463,11 +505,11 @@ impl Pool {
                 retry_after_ms: self.retry_after_unavailable(excluded, now),
             });
         }
-        if self.waiting() == 0 {
+        // SPEC §12: "nothing of that pool is waiting" in any worker.
+        if self.waiting() == 0 && self.peers_waiting() == (0, 0) {
             if let Some((inst, placed)) = self.pick_instance(excluded, affinity_key, now) {
                 let choice = Choice::Alone(priority);
-                self.selector
-                    .commit(&self.cfg.selector, choice, priority, false, now);
+                self.commit_choice(choice, priority, false, now);
                 self.grant(ticket, priority, inst, placed, now);
                 return Ok(Admit::Granted(inst));
             }
@@ -523,6 +565,9 @@ impl Pool {
                 self.tickets.remove(&ticket);
                 self.queues[class.index()].forget(tenant);
                 self.stats.cancelled += 1;
+                if self.shared.is_some() {
+                    self.publish_waiting();
+                }
                 true
             }
             _ => false,
@@ -548,6 +593,10 @@ impl Pool {
             return Err(CoreError::UnknownTicket(ticket));
         };
         self.tickets.remove(&ticket);
+        if let Some(shared) = self.shared.as_mut() {
+            shared.give(instance as usize, trial);
+        }
+        self.sync(now);
         // Time-driven transitions first, so the outcome meets the state it really lands in.
         self.advance(now);
         let inst = &mut self.instances[instance as usize];
@@ -571,6 +620,7 @@ impl Pool {
             self.invalidate();
         }
         self.pump(now);
+        self.publish(now, true);
         Ok(self.take_events())
     }
 
@@ -585,6 +635,10 @@ impl Pool {
         if idx >= self.instances.len() {
             return Err(CoreError::UnknownInstance(idx));
         }
+        self.sync(now);
+        if let Some(shared) = self.shared.as_mut() {
+            shared.publish_probe(idx, ok); // every worker applies it (one prober per interval)
+        }
         // An ejection that ended meets this probe as half-open: a failure ejects it again.
         self.advance(now);
         let breaker = &mut self.instance_mut(idx)?.breaker;
@@ -596,14 +650,17 @@ impl Pool {
             self.invalidate();
         }
         self.pump(now);
+        self.publish(now, true);
         Ok(self.take_events())
     }
 
     /// Time passed: expire overdue waiters, admit instances whose ejection or cool-down ended.
     /// Call at `next_wakeup`, and after reconfiguring.
     pub fn tick(&mut self, now: Millis) -> Vec<Event> {
+        self.sync(now);
         self.advance(now);
         self.pump(now);
+        self.publish(now, true);
         self.take_events()
     }
 
@@ -666,8 +723,13 @@ impl Pool {
         while self.waiting() > 0 {
             let tickets = &self.tickets;
             let low_live = |t| is_waiting(tickets, t, Priority::Low);
-            let high_waiting = self.queues[0].live() > 0;
-            let oldest_low = self.queues[1].oldest_enqueued_at(&low_live);
+            let mut high_waiting = self.queues[0].live() > 0;
+            let mut oldest_low = self.queues[1].oldest_enqueued_at(&low_live);
+            if let Some(shared) = &self.shared {
+                // SPEC §12: the selector and the starvation guard see every worker's queue.
+                high_waiting |= shared.peers.high > 0;
+                oldest_low = min_opt(oldest_low, shared.peers.oldest_low);
+            }
             let Some(choice) =
                 self.selector
                     .choose(&self.cfg.selector, high_waiting, oldest_low, now)
@@ -675,14 +737,20 @@ impl Pool {
                 break;
             };
             let first = choice.class();
+            if self.queues[first.index()].live() == 0 {
+                if let Some(shared) = self.shared.as_mut() {
+                    // The turn is a class only other workers have waiting: theirs to take.
+                    shared.defer_to(first);
+                    break;
+                }
+            }
             let Some((entry, (inst, placed), class)) = self
                 .pop_fitting(first, now)
                 .or_else(|| self.pop_fitting(other(first), now))
             else {
                 break;
             };
-            self.selector
-                .commit(&self.cfg.selector, choice, class, oldest_low.is_some(), now);
+            self.commit_choice(choice, class, oldest_low.is_some(), now);
             if choice == Choice::Forced && class == Priority::Low {
                 self.stats.forced_low += 1;
             }
@@ -713,6 +781,7 @@ impl Pool {
             backend_loaded,
             ring,
             cfg,
+            shared,
             ..
         } = self;
         let live = |t| is_waiting(tickets, t, class);
@@ -721,9 +790,19 @@ impl Pool {
             extras,
             backend_loaded: *backend_loaded,
         };
+        let shared = shared.as_ref();
         queues[class.index()]
             .pop_fitting(&live, |e| {
-                pick(balancer, ring, &view, cfg, e.excluded, e.affinity_key, now)
+                pick_taking(
+                    balancer,
+                    ring,
+                    &view,
+                    cfg,
+                    shared,
+                    e.excluded,
+                    e.affinity_key,
+                    now,
+                )
             })
             .map(|(e, i)| (e, i, class))
     }
@@ -813,11 +892,12 @@ impl Pool {
             extras: &self.extras,
             backend_loaded: self.backend_loaded,
         };
-        pick(
+        pick_taking(
             &mut self.balancer,
             &mut self.ring,
             &view,
             &self.cfg,
+            self.shared.as_ref(),
             excluded,
             affinity_key,
             now,
@@ -896,9 +976,11 @@ impl Pool {
     /// How long a request of `class` should wait before trying again: the queue ahead of it
     /// divided by the observed drain rate, at least 1 s, at most the class's `max_wait_ms`.
     pub fn retry_after_ms(&mut self, class: Priority, now: Millis) -> Millis {
+        let (peer_high, peer_low) = self.peers_waiting();
+        let high = self.queues[0].live() as u64 + peer_high;
         let ahead = match class {
-            Priority::High => self.queues[0].live(),
-            Priority::Low => self.queues[0].live() + self.queues[1].live(),
+            Priority::High => high,
+            Priority::Low => high + self.queues[1].live() as u64 + peer_low,
         } as f64;
         let cap = match class {
             Priority::High => self.cfg.high_max_wait_ms,
@@ -926,13 +1008,16 @@ impl Pool {
     /// Slots a new request could take right now: free slots of instances that admit traffic
     /// (a half-open instance counts only its remaining trial permits).
     pub fn free_slots(&mut self, now: Millis) -> u32 {
+        self.sync(now);
         self.advance(now);
         let health = &self.cfg.health;
         self.instances
             .iter()
             .filter(|i| !i.removed && i.breaker.admits(health, now))
             .map(|i| {
-                let free = i.max_concurrency.saturating_sub(i.in_flight);
+                let free = i
+                    .max_concurrency
+                    .saturating_sub(i.in_flight.saturating_add(i.peer_in_flight));
                 if i.breaker.state() == InstanceState::HalfOpen {
                     free.min(health.half_open_max_requests - i.breaker.trials())
                 } else {
@@ -977,6 +1062,126 @@ impl Pool {
     }
 }
 
+/// SPEC §12: the pool as one of several workers sharing one region.
+impl Pool {
+    /// Makes this pool the worker `worker`'s share of pool `pool_id` (a stable hash of its
+    /// name) in the workers' region. Call before adding instances.
+    pub fn attach(
+        &mut self,
+        region: Region<'static>,
+        pool_id: u64,
+        worker: usize,
+    ) -> Result<(), CoreError> {
+        if !self.instances.is_empty() {
+            return Err(CoreError::InvalidConfig(
+                "attach a pool to the workers' region before adding instances".into(),
+            ));
+        }
+        self.shared = Some(Shared::new(region, pool_id, worker).ok_or_else(slots_used_up)?);
+        Ok(())
+    }
+
+    pub fn is_shared(&self) -> bool {
+        self.shared.is_some()
+    }
+
+    /// What the other workers have waiting (high, low); (0, 0) for a single process.
+    pub fn peers_waiting(&self) -> (u64, u64) {
+        self.shared
+            .as_ref()
+            .map_or((0, 0), |s| (s.peers.high, s.peers.low))
+    }
+
+    /// Grants made by every worker (high, low); this pool's own for a single process.
+    pub fn grants_everywhere(&self) -> (u64, u64) {
+        self.shared
+            .as_ref()
+            .map_or((self.stats.granted[0], self.stats.granted[1]), |s| {
+                s.grants()
+            })
+    }
+
+    /// Worker slots to wake since the last call (a bit set; always 0 for a single process).
+    pub fn take_wakes(&mut self) -> u64 {
+        self.shared.as_mut().map_or(0, Shared::take_wakes)
+    }
+
+    /// SPEC §12 "one probe per instance per interval, not N": whether this worker probes
+    /// instance `idx` now. Always `true` for a single process.
+    pub fn claim_probe(&self, idx: usize, now: Millis, interval_ms: Millis) -> bool {
+        self.shared
+            .as_ref()
+            .is_none_or(|s| idx < self.instances.len() && s.claim_probe(idx, now, interval_ms))
+    }
+
+    fn sync(&mut self, now: Millis) {
+        let Some(shared) = self.shared.as_mut() else {
+            return;
+        };
+        if shared.sync(
+            &mut self.instances,
+            &self.cfg.health,
+            &mut self.selector,
+            &mut self.transitions,
+            now,
+        ) {
+            self.invalidate();
+        }
+    }
+
+    /// After an operation: this worker's queue for the others to see, the ejections it made;
+    /// with `offer`, a free unit its queue left goes to the workers that wait.
+    fn publish(&mut self, now: Millis, offer: bool) {
+        if self.shared.is_none() {
+            return;
+        }
+        self.publish_waiting();
+        let health = &self.cfg.health;
+        let free = offer
+            && self
+                .instances
+                .iter()
+                .any(|i| !i.removed && i.has_room() && i.breaker.admits(health, now));
+        let Some(shared) = self.shared.as_mut() else {
+            return;
+        };
+        shared.publish_ejections(&self.instances);
+        if free {
+            shared.offer();
+        }
+    }
+
+    fn publish_waiting(&mut self) {
+        let tickets = &self.tickets;
+        let [high, low] = &mut self.queues;
+        let counts = (high.live(), low.live());
+        let oldest = (
+            high.oldest_enqueued_at(&|t| is_waiting(tickets, t, Priority::High)),
+            low.oldest_enqueued_at(&|t| is_waiting(tickets, t, Priority::Low)),
+        );
+        if let Some(shared) = self.shared.as_mut() {
+            shared.publish_waiting(counts, oldest);
+        }
+    }
+
+    fn commit_choice(&mut self, choice: Choice, class: Priority, low_waiting: bool, now: Millis) {
+        let before = self.shared.as_ref().map(|_| self.selector.clone());
+        self.selector
+            .commit(&self.cfg.selector, choice, class, low_waiting, now);
+        if let (Some(shared), Some(before)) = (&self.shared, before) {
+            shared.commit(&before, &self.selector, class, now);
+        }
+    }
+}
+
+fn slots_used_up() -> CoreError {
+    CoreError::InvalidConfig(format!(
+        "the workers' shared region is full ({} pools, {} instance slots per pool)",
+        crate::shm::MAX_POOLS,
+        crate::shm::MAX_SLOTS
+    ))
+}
+
 impl Pool {
     /// The class a waiting ticket waits in (a high request may wait as low after a spill);
     /// `None` when it is not waiting.
@@ -1006,6 +1211,40 @@ struct Instances<'a> {
     backend_loaded: bool,
 }
 
+/// `pick`, and in a shared pool (SPEC §12) the unit taken from the shared lease word: an
+/// instance another worker filled since the last look is passed over and the pick repeated.
+#[allow(clippy::too_many_arguments)]
+fn pick_taking(
+    balancer: &mut Balancer,
+    ring: &mut Option<HashRing>,
+    view: &Instances<'_>,
+    cfg: &PoolConfig,
+    shared: Option<&Shared>,
+    excluded: u64,
+    affinity_key: u64,
+    now: Millis,
+) -> Option<(usize, Affinity)> {
+    let Some(shared) = shared else {
+        return pick(balancer, ring, view, cfg, excluded, affinity_key, now);
+    };
+    let mut full = 0u64;
+    loop {
+        let (k, placed) = pick(
+            balancer,
+            ring,
+            view,
+            cfg,
+            excluded | full,
+            affinity_key,
+            now,
+        )?;
+        if shared.take(k, &view.instances[k], cfg.health.half_open_max_requests) {
+            return Some((k, placed));
+        }
+        full |= 1 << k;
+    }
+}
+
 /// The balancer's choice among instances that admit a new attempt now, have a free slot and
 /// are not excluded; with the affinity decision.
 fn pick(
@@ -1021,10 +1260,7 @@ fn pick(
     let health = &cfg.health;
     let candidate = |k: usize| {
         let i = &instances[k];
-        excluded & (1 << k) == 0
-            && !i.removed
-            && i.in_flight < i.max_concurrency
-            && i.breaker.admits(health, now)
+        excluded & (1 << k) == 0 && !i.removed && i.has_room() && i.breaker.admits(health, now)
     };
     if affinity_key != 0 && balancer.kind == BalancerKind::Affinity {
         return place_affine(ring, view, cfg, affinity_key, candidate);

@@ -14,6 +14,7 @@
 //! Not taken: deficit round-robin (needs request sizes we do not know) and aging priorities
 //! (which can invert priority under a long backlog).
 
+use crate::shm::SharedSelector;
 use crate::types::{Millis, Policy, Priority};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -153,6 +154,24 @@ impl Selector {
 
     pub fn consecutive_high(&self) -> u32 {
         self.consecutive_high
+    }
+
+    /// The state as the workers' region stores it (SPEC §12): smooth-WRR credits always sum
+    /// to zero (each commit adds both weights and takes their sum from one class), so the
+    /// high credit is the whole of it.
+    pub fn shared(&self) -> SharedSelector {
+        SharedSelector {
+            credit_high: self.credit[0],
+            consecutive_high: self.consecutive_high,
+            last_low_grant: self.last_low_grant,
+        }
+    }
+
+    /// Adopts the state the workers share (before a decision in a shared pool).
+    pub fn set_shared(&mut self, s: SharedSelector) {
+        self.credit = [s.credit_high, -s.credit_high];
+        self.consecutive_high = s.consecutive_high;
+        self.last_low_grant = s.last_low_grant;
     }
 }
 

@@ -1,0 +1,219 @@
+//! SPEC §12: one pool's door to the workers' shared region (`shm.rs`). A `Pool` with a
+//! `Shared` keeps its own queue (its requests are awaited in this process) but takes every
+//! unit of an instance from the shared lease word, sees the other workers' in-flight counts
+//! (least-connections and the cap see the whole gateway), their waiting requests (the class
+//! selector, the starvation guard and "nothing is waiting" see the union), their ejections and
+//! probe results, and commits its grants to the one shared selector state.
+//!
+//! Without a `Shared` nothing here runs: a single process pays one `Option` check per
+//! operation.
+
+use crate::health::HealthConfig;
+use crate::pool::Instance;
+use crate::selector::Selector;
+use crate::shm::{PeerWaiting, Region};
+use crate::types::{InstanceState, Millis, Priority};
+
+#[derive(Debug)]
+pub struct Shared {
+    region: Region<'static>,
+    pool: usize,
+    worker: usize,
+    /// `slots[i]`: the region's slot of the pool's instance `i`.
+    slots: Vec<usize>,
+    /// The latest ejection generation and probe sequence applied, per instance.
+    seen_ejection: Vec<u64>,
+    seen_probe: Vec<u64>,
+    /// The latest ejection end this worker published, per instance.
+    published_until: Vec<Millis>,
+    pub peers: PeerWaiting,
+    /// Worker slots to wake (a unit is free for what they have waiting).
+    wakes: u64,
+}
+
+impl Shared {
+    pub fn new(region: Region<'static>, pool_id: u64, worker: usize) -> Option<Self> {
+        if worker >= region.workers() {
+            return None;
+        }
+        Some(Self {
+            pool: region.pool_slot(pool_id)?,
+            region,
+            worker,
+            slots: Vec::new(),
+            seen_ejection: Vec::new(),
+            seen_probe: Vec::new(),
+            published_until: Vec::new(),
+            peers: PeerWaiting::default(),
+            wakes: 0,
+        })
+    }
+
+    pub fn worker(&self) -> usize {
+        self.worker
+    }
+
+    /// Instance `idx` of the pool is the one with stable id `id` (reloads reuse indexes, never
+    /// ids). `None`: the pool's slots are used up.
+    pub fn bind(&mut self, idx: usize, id: u64) -> Option<()> {
+        let slot = self.region.instance_slot(self.pool, id)?;
+        if idx >= self.slots.len() {
+            self.slots.resize(idx + 1, 0);
+            self.seen_ejection.resize(idx + 1, 0);
+            self.seen_probe.resize(idx + 1, 0);
+            self.published_until.resize(idx + 1, 0);
+        }
+        self.slots[idx] = slot;
+        // A fresh instance adopts what the others already know of it.
+        self.seen_ejection[idx] = 0;
+        self.seen_probe[idx] = self.region.probe(self.pool, slot).0;
+        self.published_until[idx] = 0;
+        Some(())
+    }
+
+    /// Reads what the other workers changed: their in-flight counts, ejections, probe results,
+    /// waiting requests and the selector. Transitions it causes go to `transitions`.
+    pub fn sync(
+        &mut self,
+        instances: &mut [Instance],
+        health: &HealthConfig,
+        selector: &mut Selector,
+        transitions: &mut Vec<(usize, InstanceState)>,
+        now: Millis,
+    ) -> bool {
+        let (r, p, me) = (self.region, self.pool, self.worker);
+        let mut changed = false;
+        for (k, inst) in instances.iter_mut().enumerate() {
+            let s = self.slots[k];
+            let held = r.held(p, s);
+            let mine = r.held_by(p, s, me);
+            inst.peer_in_flight = held.saturating_sub(mine).min(u64::from(u32::MAX)) as u32;
+            let before = inst.breaker.state();
+            let (gen, until) = r.ejection(p, s);
+            if gen != self.seen_ejection[k] {
+                self.seen_ejection[k] = gen;
+                if until > now && !inst.removed {
+                    inst.breaker.adopt_ejection(until);
+                }
+            }
+            let (seq, ok) = r.probe(p, s);
+            if seq != self.seen_probe[k] {
+                self.seen_probe[k] = seq;
+                inst.breaker.on_probe(health, ok, now);
+            }
+            let after = inst.breaker.state();
+            if after != before {
+                transitions.push((k, after));
+                changed = true;
+            }
+        }
+        self.peers = r.peers_waiting(p, me);
+        selector.set_shared(r.selector(p));
+        changed
+    }
+
+    /// Takes a unit of instance `idx` (and, half-open, one of its global trial permits).
+    pub fn take(&self, idx: usize, inst: &Instance, trial_permits: u32) -> bool {
+        let (r, p, s, me) = (self.region, self.pool, self.slots[idx], self.worker);
+        if !r.take(p, s, me, u64::from(inst.max_concurrency)) {
+            return false;
+        }
+        if inst.breaker.state() == InstanceState::HalfOpen
+            && !r.take_trial(p, s, me, u64::from(trial_permits))
+        {
+            r.give(p, s, me);
+            return false;
+        }
+        true
+    }
+
+    /// Gives back a unit of instance `idx` (and its trial permit, if it was a trial).
+    pub fn give(&self, idx: usize, trial: bool) {
+        let (r, p, s, me) = (self.region, self.pool, self.slots[idx], self.worker);
+        r.give(p, s, me);
+        if trial {
+            r.give_trial(p, s, me);
+        }
+    }
+
+    /// Commits a grant to the shared selector (the local `before`/`after` tell the change).
+    pub fn commit(&self, before: &Selector, after: &Selector, class: Priority, now: Millis) {
+        let (b, a) = (before.shared(), after.shared());
+        let low = (class == Priority::Low).then_some(now);
+        let keep = a.consecutive_high != 0;
+        self.region.commit_selector(
+            self.pool,
+            a.credit_high - b.credit_high,
+            |c| if keep { c.saturating_add(1) } else { 0 },
+            low,
+        );
+        self.region.count_grant(self.pool, class == Priority::High);
+    }
+
+    /// Publishes this worker's waiting requests (counts and oldest arrival per class).
+    pub fn publish_waiting(
+        &mut self,
+        counts: (usize, usize),
+        oldest: (Option<Millis>, Option<Millis>),
+    ) {
+        self.region.publish_waiting(
+            self.pool,
+            self.worker,
+            counts.0 as u64,
+            counts.1 as u64,
+            oldest.0,
+            oldest.1,
+        );
+    }
+
+    /// Publishes the ejections this worker decided, for the others to adopt.
+    pub fn publish_ejections(&mut self, instances: &[Instance]) {
+        let (r, p) = (self.region, self.pool);
+        for (k, inst) in instances.iter().enumerate() {
+            if let Some(until) = inst.breaker.ejected_until() {
+                if until > self.published_until[k] {
+                    self.published_until[k] = until;
+                    let (gen, _) = r.publish_ejection(p, self.slots[k], until);
+                    self.seen_ejection[k] = gen; // our own: not adopted again
+                }
+            }
+        }
+    }
+
+    pub fn publish_probe(&mut self, idx: usize, ok: bool) {
+        let s = self.slots[idx];
+        self.region.publish_probe(self.pool, s, ok);
+        self.seen_probe[idx] = self.region.probe(self.pool, s).0;
+    }
+
+    pub fn claim_probe(&self, idx: usize, now: Millis, interval_ms: Millis) -> bool {
+        self.region
+            .claim_probe(self.pool, self.slots[idx], now, interval_ms)
+    }
+
+    /// Someone else has `class` waiting: wake them (this worker has none of it).
+    pub fn defer_to(&mut self, class: Priority) {
+        self.wakes |= match class {
+            Priority::High => self.peers.high_workers,
+            Priority::Low => self.peers.low_workers,
+        };
+    }
+
+    /// A unit is free that this worker's queue did not take: wake everyone waiting.
+    pub fn offer(&mut self) {
+        self.wakes |= self.peers.workers;
+    }
+
+    pub fn take_wakes(&mut self) -> u64 {
+        std::mem::take(&mut self.wakes)
+    }
+
+    /// Grants by all workers (high, low).
+    pub fn grants(&self) -> (u64, u64) {
+        self.region.grants(self.pool)
+    }
+
+    pub fn reset_credit(&self) {
+        self.region.reset_selector_credit(self.pool);
+    }
+}

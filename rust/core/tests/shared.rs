@@ -1,0 +1,158 @@
+//! SPEC §12: pools of several workers sharing one region behave as one pool.
+#![cfg(not(loom))]
+
+use std::sync::atomic::AtomicU64;
+
+use gateway_core::shm::{Region, REGION_WORDS};
+use gateway_core::{
+    Admit, EventKind, HealthConfig, InstanceState, Outcome, Pool, PoolConfig, Priority,
+};
+
+fn region(workers: usize) -> Region<'static> {
+    let words: Vec<AtomicU64> = (0..REGION_WORDS).map(|_| AtomicU64::new(0)).collect();
+    Region::init(Box::leak(words.into_boxed_slice()), workers).unwrap()
+}
+
+fn worker(r: Region<'static>, w: usize, caps: &[u32], cfg: PoolConfig) -> Pool {
+    let mut p = Pool::new(cfg, 1).unwrap();
+    p.attach(r, 42, w).unwrap();
+    for (k, &c) in caps.iter().enumerate() {
+        p.add_instance_with_id(c, Some(100 + k as u64)).unwrap();
+    }
+    p
+}
+
+#[test]
+fn the_cap_holds_across_workers_and_least_connections_sees_them_all() {
+    let r = region(2);
+    let mut a = worker(r, 0, &[2, 2], PoolConfig::default());
+    let mut b = worker(r, 1, &[2, 2], PoolConfig::default());
+    assert_eq!(
+        a.submit(1, Priority::High, 0, 0, 0, 0),
+        Ok(Admit::Granted(0))
+    );
+    // b sees a's attempt on 0: least-connections sends it to 1
+    assert_eq!(
+        b.submit(1, Priority::High, 0, 0, 0, 0),
+        Ok(Admit::Granted(1))
+    );
+    assert!(matches!(
+        a.submit(2, Priority::High, 0, 0, 0, 0),
+        Ok(Admit::Granted(_))
+    ));
+    assert!(matches!(
+        b.submit(2, Priority::High, 0, 0, 0, 0),
+        Ok(Admit::Granted(_))
+    ));
+    assert_eq!((r.held(0, 0), r.held(0, 1)), (2, 2));
+    // four units, four attempts: nothing more anywhere
+    assert_eq!(
+        a.submit(3, Priority::High, 0, 0, 0, 0),
+        Ok(Admit::Queued(Priority::High))
+    );
+    assert_eq!(b.free_slots(0), 0);
+    // a unit freed in b while a waits and b does not: b offers it, a takes it on its wake
+    assert!(b.release(1, Outcome::Success, 0, 1).unwrap().is_empty());
+    assert_eq!(b.take_wakes(), 1 << 0);
+    let events = a.tick(2);
+    assert_eq!(events.len(), 1);
+    assert!(matches!(events[0].kind, EventKind::Granted(_)));
+    assert_eq!(r.held(0, 0) + r.held(0, 1), 4);
+}
+
+#[test]
+fn a_high_request_in_one_worker_overtakes_lows_waiting_in_another() {
+    let r = region(2);
+    let cfg = PoolConfig::default();
+    let mut a = worker(r, 0, &[1], cfg.clone());
+    let mut b = worker(r, 1, &[1], cfg);
+    assert_eq!(
+        a.submit(1, Priority::Low, 0, 0, 0, 0),
+        Ok(Admit::Granted(0))
+    );
+    for t in 2..6 {
+        assert_eq!(
+            a.submit(t, Priority::Low, 0, 0, 0, 1),
+            Ok(Admit::Queued(Priority::Low))
+        );
+    }
+    assert_eq!(
+        b.submit(1, Priority::High, 0, 0, 0, 2),
+        Ok(Admit::Queued(Priority::High))
+    );
+    // a frees its unit: the turn is high, which only b has, so a wakes b and keeps its lows
+    assert!(a.release(1, Outcome::Success, 0, 3).unwrap().is_empty());
+    assert_eq!(a.take_wakes(), 1 << 1);
+    let events = b.tick(3);
+    assert_eq!(events[0].kind, EventKind::Granted(0));
+    assert_eq!(events[0].ticket, 1);
+    assert_eq!(r.peers_waiting(0, 0).high, 0);
+    assert_eq!(r.peers_waiting(0, 1).low, 4, "a's lows still wait");
+}
+
+#[test]
+fn an_ejection_by_one_worker_holds_for_all_and_probes_are_shared() {
+    let r = region(2);
+    let cfg = PoolConfig {
+        health: HealthConfig {
+            failure_threshold: 1,
+            ejection_ms: 1000,
+            probing: true,
+            ..HealthConfig::default()
+        },
+        ..PoolConfig::default()
+    };
+    let mut a = worker(r, 0, &[4, 4], cfg.clone());
+    let mut b = worker(r, 1, &[4, 4], cfg);
+    assert_eq!(
+        a.submit(1, Priority::High, 0, 0, 0, 0),
+        Ok(Admit::Granted(0))
+    );
+    a.release(1, Outcome::Failure, 0, 10).unwrap();
+    assert_eq!(a.instance_state(0, 10), Ok(InstanceState::Ejected));
+    // b never sent it anything, yet does not use it
+    assert_eq!(
+        b.submit(1, Priority::High, 0, 0, 0, 20),
+        Ok(Admit::Granted(1))
+    );
+    assert_eq!(b.instance_state(0, 20), Ok(InstanceState::Ejected));
+    // one prober: a claims the probe, b may not in the same interval
+    assert!(a.claim_probe(0, 1100, 500));
+    assert!(!b.claim_probe(0, 1200, 500));
+    a.record_probe(0, true, 1100).unwrap();
+    // b applies a's passing probe: half-open after the ejection time
+    b.tick(1100);
+    assert_eq!(b.instance_state(0, 1100), Ok(InstanceState::HalfOpen));
+}
+
+#[test]
+fn reclaiming_a_dead_worker_frees_its_units_for_the_others() {
+    let r = region(3);
+    let mut a = worker(r, 0, &[2], PoolConfig::default());
+    let mut dead = worker(r, 2, &[2], PoolConfig::default());
+    assert_eq!(
+        dead.submit(1, Priority::Low, 0, 0, 0, 0),
+        Ok(Admit::Granted(0))
+    );
+    assert_eq!(
+        dead.submit(2, Priority::Low, 0, 0, 0, 0),
+        Ok(Admit::Granted(0))
+    );
+    assert_eq!(
+        dead.submit(3, Priority::Low, 0, 0, 0, 0),
+        Ok(Admit::Queued(Priority::Low))
+    );
+    assert_eq!(
+        a.submit(1, Priority::High, 0, 0, 0, 1),
+        Ok(Admit::Queued(Priority::High))
+    );
+    assert_eq!(r.reclaim(2), 2);
+    let events = a.tick(2);
+    assert_eq!(
+        events.len(),
+        1,
+        "both units are free again: a's one waiter takes one"
+    );
+    assert_eq!(a.peers_waiting(), (0, 0));
+    assert_eq!(r.held(0, 0), 1);
+}
