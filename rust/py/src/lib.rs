@@ -9,10 +9,12 @@ use pyo3::prelude::*;
 mod enums;
 mod matcher;
 mod pool;
+mod region;
 
 use enums::{Affinity, Balancer, EventKind, InstanceState, Outcome, Policy, Priority};
 use matcher::KeywordSet;
 use pool::{Event, InstanceInfo, Pool, PoolConfig, PoolStats};
+use region::Region;
 
 create_exception!(
     gateway._core,
@@ -105,6 +107,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<InstanceInfo>()?;
     m.add_class::<PoolStats>()?;
     m.add_class::<KeywordSet>()?;
+    m.add_class::<Region>()?;
+    m.add("REGION_BYTES", core::shm::REGION_BYTES)?;
+    m.add("MAX_WORKERS", core::shm::MAX_WORKERS)?;
     m.add("GatewayError", py.get_type::<GatewayError>())?;
     m.add("QueueFull", py.get_type::<QueueFull>())?;
     m.add("NoHealthyInstance", py.get_type::<NoHealthyInstance>())?;

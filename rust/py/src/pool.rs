@@ -150,6 +150,8 @@ impl PoolConfig {
 pub struct InstanceInfo {
     state: InstanceState,
     in_flight: u32,
+    /// SPEC §12: attempts other workers have on it (0 for a single process).
+    peer_in_flight: u32,
     max_concurrency: u32,
     consecutive_failures: u32,
     /// Monotonic ms the ejection ends, while ejected.
@@ -410,6 +412,7 @@ impl Pool {
         Ok(InstanceInfo {
             state: state.into(),
             in_flight: i.in_flight,
+            peer_in_flight: i.peer_in_flight,
             max_concurrency: i.max_concurrency,
             consecutive_failures: b.consecutive_failures(),
             ejected_until_ms: b.ejected_until(),
@@ -435,6 +438,43 @@ impl Pool {
     #[getter]
     fn has_transitions(&self) -> bool {
         self.inner.has_transitions()
+    }
+
+    /// SPEC §12: makes this pool worker `worker`'s share of pool `pool_id` (a stable hash of
+    /// its name) in the workers' region. Before any instance is added.
+    fn attach(
+        &mut self,
+        region: &crate::region::Region,
+        pool_id: u64,
+        worker: usize,
+    ) -> Result<(), CoreErr> {
+        Ok(self.inner.attach(region.inner, pool_id, worker)?)
+    }
+
+    #[getter]
+    fn shared(&self) -> bool {
+        self.inner.is_shared()
+    }
+
+    /// What the other workers have waiting: (high, low); (0, 0) for a single process.
+    fn peers_waiting(&self) -> (u64, u64) {
+        self.inner.peers_waiting()
+    }
+
+    /// Grants by every worker: (high, low).
+    fn grants_everywhere(&self) -> (u64, u64) {
+        self.inner.grants_everywhere()
+    }
+
+    /// Worker slots to wake (a bit set) since the last call; 0 for a single process.
+    fn take_wakes(&mut self) -> u64 {
+        self.inner.take_wakes()
+    }
+
+    /// Whether this worker probes instance `index` now (one probe per interval across
+    /// workers); always true for a single process.
+    fn claim_probe(&self, index: usize, now_ms: u64, interval_ms: u64) -> bool {
+        self.inner.claim_probe(index, now_ms, interval_ms)
     }
 
     fn stats(&self) -> PoolStats {
