@@ -19,12 +19,22 @@ from gateway.dashboard import render as render_dashboard
 from gateway.errors import ConfigError, InvalidConfig
 from gateway.pool import InstanceSnapshot, PoolSnapshot, now_ms
 from gateway.redact import REDACTOR, secrets_of
+from gateway.workers import link
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
     from gateway.cluster.node import ClusterNode
 
 __all__ = ["Admin"]
+
+
+def _workers_doc() -> dict[str, Any]:
+    """SPEC §12: which worker answered, of how many (absent for a single process)."""
+    worker = link()
+    if worker is None:
+        return {}
+    return {"worker": worker.slot, "workers": worker.workers}
+
 
 log = logging.getLogger("gateway")
 
@@ -95,6 +105,7 @@ class Admin:
             "buffered_bytes": self.gw.buffered_bytes,
             "draining": self.gw.draining,
             **({"cluster": self.cluster.state()} if self.cluster is not None else {}),
+            **_workers_doc(),
             "version": __version__,
             "now": round(time.time(), 3),
         }
@@ -140,6 +151,9 @@ class Admin:
         ok, message, notes = await self.reload()
         if not ok:
             raise InvalidConfig(f"Config not reloaded: {message}")
+        worker = link()
+        if worker is not None:
+            worker.reloaded()  # SPEC §12: a reload applies to all workers
         body = orjson.dumps({"status": "reloaded", "notes": notes})
         return web.Response(body=body, content_type=_JSON)
 

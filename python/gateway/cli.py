@@ -10,9 +10,10 @@ import sys
 
 from gateway import __version__
 from gateway.check import describe
-from gateway.config import load_config
+from gateway.config import Config, load_config
 from gateway.errors import ConfigError
 from gateway.logs import setup_logging
+from gateway.workers import enter_worker, link, resolve_workers
 
 __all__ = ["main"]
 
@@ -35,15 +36,44 @@ async def serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    if args.workers > 1 and link() is None:
+        return await supervise(args, config)
     server = Server(
         config, config_path=args.config, host=args.host, port=args.port, watch=args.watch
     )
 
     def listening(s: Server) -> None:
-        print(f"gateway {__version__} listening on {s.url}", flush=True)
+        if link() is None:  # a worker: the supervisor says it once for all (SPEC §12)
+            print(f"gateway {__version__} listening on {s.url}", flush=True)
 
     await server.serve(listening)
     return 0
+
+
+async def supervise(args: argparse.Namespace, config: Config) -> int:
+    """SPEC §12: N workers on one port, one gateway."""
+    from gateway.workers import Supervisor
+
+    if config.cluster is not None:
+        print(
+            "config error: cluster mode runs one worker per replica (--workers 1)", file=sys.stderr
+        )
+        return 2
+    argv = ["--log-format", args.log_format, "--log-level", args.log_level, "serve"]
+    argv += ["--config", args.config, "--workers", "1"]
+    host = args.host or config.listen.host
+    argv += ["--host", host]
+    if args.watch:
+        argv.append("--watch")
+    if args.no_access_log:
+        argv.append("--no-access-log")
+    port = args.port if args.port is not None else config.listen.port
+    supervisor = Supervisor(args.workers, argv, host, port)
+
+    def listening(s: Supervisor) -> None:
+        print(f"gateway {__version__} listening on {s.url} ({s.n} workers)", flush=True)
+
+    return await supervisor.run(listening)
 
 
 def check(args: argparse.Namespace) -> int:
@@ -69,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="listen port (overrides listen.port)")
     p.add_argument("--watch", action="store_true", help="reload when the config file changes")
     p.add_argument("--no-access-log", action="store_true", help="no per-request log line")
+    p.add_argument(
+        "--workers",
+        type=resolve_workers,
+        default=1,
+        help="worker processes sharing one scheduling state (SPEC §12): N or auto",
+    )
 
     p = sub.add_parser("check", help="validate a config and print the routing table")
     p.add_argument("file")
@@ -92,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         return check(args)
     _event_loop_policy()
     if args.command == "serve":
+        enter_worker()  # SPEC §12: a worker started by the supervisor attaches here
         return asyncio.run(serve(args))
     if args.command == "mock":
         from gateway.sim import mock

@@ -86,6 +86,8 @@ class Prober:
         jobs = []
         for pool in self.runtime.pools.values():
             for idx, up in pool.live_upstreams():
+                if not pool.claim_probe(idx, probe.interval_ms):
+                    continue  # SPEC §12: another worker probes it this interval
                 jobs.append((pool, idx, up.name, up.probe(probe.path, probe.timeout_ms / 1000)))
         results = await asyncio.gather(*(job[3] for job in jobs), return_exceptions=True)
         for (pool, idx, name, _), ok in zip(jobs, results, strict=True):

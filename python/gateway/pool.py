@@ -29,6 +29,7 @@ from gateway.errors import GatewayError
 from gateway.events import Events, InstanceChanged
 from gateway.scheduler import PoolScheduler, now_ms
 from gateway.upstream import Upstream
+from gateway.workers import link
 
 __all__ = ["InstanceSnapshot", "Pool", "PoolSnapshot", "core_config", "now_ms"]
 
@@ -152,7 +153,11 @@ class Pool:
         self.spec = spec
         self._events = events
         self._core = _core.Pool(core_config(config, spec), seed=config.seed)
-        self._scheduler = PoolScheduler(name, self._core, self._on_transition)
+        # SPEC §12: with --workers, this pool is one worker's share of the region.
+        self._link = link()
+        if self._link is not None:
+            self._core.attach(self._link.region, stable_id(name), self._link.slot)
+        self._scheduler = PoolScheduler(name, self._core, self._on_transition, self._link)
         #: SPEC §15: requests carry an affinity key here (`balancer: affinity`).
         self.balancer = spec.balancer or config.balancer
         self.affine = self.balancer == "affinity"
@@ -217,6 +222,11 @@ class Pool:
         """Remembers why an attempt on instance `index` failed (shown in /admin/state)."""
         self._last_errors[self._upstreams[index]] = (time.time(), reason)
 
+    def claim_probe(self, index: int, interval_ms: int) -> bool:
+        """SPEC §12 "one probe per instance per interval, not N": whether this worker probes
+        instance `index` in this round (always, for a single process)."""
+        return self._core.claim_probe(index, now_ms(), max(1, interval_ms * 9 // 10))
+
     def record_probe(self, index: int, ok: bool) -> None:
         if self._leases is not None:
             self._leases.guard()
@@ -278,7 +288,10 @@ class Pool:
         if self._leases is not None:
             self._leases.guard()  # SPEC §13: an expired lease reads as fenced, never as held
         core = self._core
+        free_slots = core.free_slots(now)  # first: in a worker this reads the others' state
         stats = core.stats()
+        granted_high, granted_low = core.grants_everywhere()
+        peers_high, peers_low = core.peers_waiting()
         instances = []
         for i, up in enumerate(self._upstreams):
             info = core.instance(i, now)
@@ -292,7 +305,7 @@ class Pool:
                     name=up.name,
                     state=state,
                     circuit=info.state,
-                    in_flight=info.in_flight,
+                    in_flight=info.in_flight + info.peer_in_flight,
                     max_concurrency=(
                         info.max_concurrency if leases is None else up.spec.max_concurrency
                     ),
@@ -310,15 +323,15 @@ class Pool:
         return PoolSnapshot(
             name=self.name,
             now_ms=now,
-            queued_high=core.queued(Priority.HIGH),
-            queued_low=core.queued(Priority.LOW),
-            in_flight=core.in_flight,
-            waiting=core.waiting,
+            queued_high=core.queued(Priority.HIGH) + peers_high,
+            queued_low=core.queued(Priority.LOW) + peers_low,
+            in_flight=sum(i.in_flight for i in instances),
+            waiting=core.waiting + peers_high + peers_low,
             outstanding=core.outstanding,
             waiters=self._scheduler.waiters,
-            free_slots=core.free_slots(now),
-            granted_high=stats.granted_high,
-            granted_low=stats.granted_low,
+            free_slots=free_slots,
+            granted_high=granted_high,
+            granted_low=granted_low,
             forced_low=stats.forced_low,
             expired=stats.expired,
             cancelled=stats.cancelled,

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from gateway import _core
 from gateway._core import Affinity, EventKind, InstanceState, Outcome, Priority
 from gateway.errors import DEFAULT_RETRY_AFTER_MS, GatewayError, NoHealthyInstance, QueueTimeout
+from gateway.workers import WorkerLink
 
 __all__ = ["PoolScheduler", "Unservable", "now_ms"]
 
@@ -43,9 +44,12 @@ class PoolScheduler:
         name: str,
         core: _core.Pool,
         on_transition: Callable[[int, InstanceState], None] | None = None,
+        link: WorkerLink | None = None,
     ) -> None:
         self.name = name
         self.core = core
+        # SPEC §12: the other workers, woken when a unit is theirs to take (None: one process).
+        self._link = link
         # Told of every instance state change (ejected, half-open, restored), for the logs.
         self.on_transition = on_transition
         self._waiters: dict[int, tuple[asyncio.Future[tuple[int, Affinity]], Priority]] = {}
@@ -72,6 +76,8 @@ class PoolScheduler:
         granted = core.submit(ticket, priority, now_ms(), tenant, excluded, affinity_key)
         if core.has_transitions:
             self._transitions()
+        if self._link is not None:
+            self._wake_peers()
         if granted is not None:
             return granted, priority, core.last_affinity() if affinity_key else Affinity.NONE
         # SPEC §3 "Overflow": a high request may wait as low.
@@ -121,6 +127,8 @@ class PoolScheduler:
         """Resolves the futures of the tickets the core moved (and reports state changes)."""
         if self.core.has_transitions:
             self._transitions()
+        if self._link is not None:
+            self._wake_peers()
         delivered = False
         for event in events:
             delivered = True
@@ -148,6 +156,14 @@ class PoolScheduler:
                     fut.set_exception(Unservable(wait))
         if (delivered and self._waiters) or self._timer is not None:
             self._arm()
+
+    def _wake_peers(self) -> None:
+        """SPEC §12: workers the core found a free unit for (their class's turn, or a unit
+        this worker's queue did not take) are woken through their eventfds."""
+        assert self._link is not None
+        mask = self.core.take_wakes()
+        if mask:
+            self._link.wake(mask)
 
     @property
     def waiters(self) -> int:

@@ -29,6 +29,8 @@ from aiohttp import web
 from gateway.app import Gateway
 from gateway.config import Config
 from gateway.health import Prober
+from gateway.scheduler import now_ms
+from gateway.workers import TICK_S, WorkerLink, link
 
 if TYPE_CHECKING:
     from gateway.cluster.node import ClusterNode
@@ -72,6 +74,8 @@ class Server:
         self._site: web.TCPSite | None = None
         self._tasks: set[asyncio.Task[object]] = set()
         self._stopped = False
+        # SPEC §12: this server is one of several workers (None: it is the whole gateway).
+        self.link: WorkerLink | None = link()
 
     @property
     def url(self) -> str:
@@ -86,12 +90,23 @@ class Server:
         runner = web.ServerRunner(self.gateway.server(), handle_signals=False, shutdown_timeout=1.0)
         await runner.setup()
         self._runner = runner
-        site = web.TCPSite(runner, self.host, self.port, backlog=self.backlog, reuse_address=True)
+        site = web.TCPSite(
+            runner,
+            self.host,
+            self.port,
+            backlog=self.backlog,
+            reuse_address=True,
+            reuse_port=self.link is not None,  # SPEC §12: every worker on the one port
+        )
         await site.start()
         self._site = site
         if runner.addresses:
             self.port = int(runner.addresses[0][1])
         self.prober.start()
+        if self.link is not None:
+            self.link.on_wake = self._kick
+            self.link.start(asyncio.get_running_loop())
+            self._spawn(self._worker_tick(self.link), "worker-tick")
         # SPEC §14: unfinished batches resume (the store opens later if it does not exist yet).
         await self.gateway.batch.start()
         self._spawn(self._janitor(), "janitor")
@@ -146,6 +161,8 @@ class Server:
         # Batch results in hand are committed; unfinished lines run after the next start.
         await self.gateway.batch.stop()
         await self.prober.stop()
+        if self.link is not None:
+            self.link.stop(asyncio.get_running_loop())
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):
@@ -157,6 +174,22 @@ class Server:
             await self._runner.cleanup()
         await self.gateway.close()
         log.info("stopped")
+
+    def _kick(self) -> None:
+        """Another worker freed a unit this one's waiters may take: every pool looks."""
+        for pool in self.gateway.runtime.pools.values():
+            pool.tick()
+
+    async def _worker_tick(self, worker: WorkerLink) -> None:
+        """SPEC §12: the heartbeat the supervisor watches for hangs, and a look at the shared
+        state every tick — the net under a wake-up that raced (bounded to one tick)."""
+        while True:
+            worker.heartbeat(now_ms())
+            try:
+                self._kick()
+            except Exception:
+                log.exception("worker tick failed")
+            await asyncio.sleep(TICK_S)
 
     async def _janitor(self) -> None:
         """Closes the connection pools of instances and pools that drained after a reload."""
