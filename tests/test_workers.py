@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from gateway.sim.mock import MockServer
@@ -295,4 +296,53 @@ async def test_a_hung_worker_is_killed_and_replaced(tmp_path: Path, mocks: MockF
         await gw.until(lambda d: victim not in gw.pids() and len(gw.pids()) == 2, within=15)
         results = await asyncio.gather(*(gw.chat() for _ in range(20)))
         assert [r.status for r in results] == [200] * 20
+        await gw.assert_quiet()
+
+
+async def test_the_batch_api_works_through_any_worker(tmp_path: Path, mocks: MockFactory) -> None:
+    """One store, one runner (worker 0); the others relay, so the official client works over
+    connections that land on any worker."""
+    from openai import AsyncOpenAI
+
+    m = await mocks(latency_ms=5)
+    extra = f"batch: {{store: {tmp_path / 'batches.db'}}}"
+    async with workers(tmp_path, 3, _instances((m, 4)), extra) as gw:
+        lines = [
+            orjson.dumps(
+                {
+                    "custom_id": f"r{k}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {"model": "m", "messages": [{"role": "user", "content": f"q{k}"}]},
+                }
+            )
+            for k in range(20)
+        ]
+
+        def client() -> AsyncOpenAI:  # a fresh connection: it may land on any worker
+            return AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-x", max_retries=0)
+
+        c = client()
+        f = await c.files.create(file=("in.jsonl", b"\n".join(lines)), purpose="batch")
+        b = await c.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        deadline = time.monotonic() + 30
+        while b.status not in ("completed", "failed", "expired", "cancelled"):
+            assert time.monotonic() < deadline, b.status
+            await asyncio.sleep(0.1)
+            async with client() as poll:  # each poll may land on another worker
+                b = await poll.batches.retrieve(b.id)
+        assert b.status == "completed" and b.request_counts is not None
+        assert b.request_counts.completed == 20
+        assert b.output_file_id is not None
+        for _ in range(10):  # every worker answers the same (fresh connections spread)
+            async with client() as again:
+                assert (await again.batches.retrieve(b.id)).status == "completed"
+        async with client() as fetch:
+            out = (await fetch.files.content(b.output_file_id)).content
+        assert sorted(orjson.loads(x)["custom_id"] for x in out.splitlines()) == sorted(
+            f"r{k}" for k in range(20)
+        )
+        await c.close()
         await gw.assert_quiet()

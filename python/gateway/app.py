@@ -27,6 +27,7 @@ from gateway.admin import Admin
 from gateway.affinity import affinity_key
 from gateway.auth import KeyRing, Tenant
 from gateway.batch import BATCH_PATHS, BatchService
+from gateway.batch.relay import BatchRelay, is_batch_path
 from gateway.config import Config
 from gateway.deadline import Watchdog
 from gateway.errors import (
@@ -175,6 +176,8 @@ class Gateway:
         # SPEC §14: the Batch API (`/v1/files`, `/v1/batches`; ids matched in `handle`).
         self.batch = BatchService(self)
         self._routes.update(self.batch.api.routes())
+        # SPEC §12: in a worker other than the Batch API's home, its requests are relayed.
+        self.batch_relay: BatchRelay | None = None
         self._allowed: dict[str, str] = {}
         for method, path in self._routes:
             self._allowed[path] = ", ".join(filter(None, (self._allowed.get(path), method)))
@@ -210,6 +213,8 @@ class Gateway:
         proto = request.protocol
         if isinstance(proto, _Protocol):
             proto.started = True
+        if self.batch_relay is not None and is_batch_path(request.path):
+            return await self.batch_relay.relay(request)  # SPEC §12: worker 0 serves batches
         handler = self._routes.get((request.method, request.path))
         if handler is None and request.path.startswith(BATCH_PATHS):
             handler = self.batch.api.route(request.method, request.path)
@@ -245,6 +250,8 @@ class Gateway:
         return error_response(InternalError("Internal gateway error."))
 
     async def close(self) -> None:
+        if self.batch_relay is not None:
+            await self.batch_relay.close()
         await self.runtime.close()
         if self.tracing is not None:
             await self.tracing.close()

@@ -46,6 +46,7 @@ __all__ = [
     "RequestError",
     "RequestTimeout",
     "RequestTooLarge",
+    "Restarting",
     "Unauthorized",
     "UnknownTicket",
     "UpstreamFailed",
@@ -127,6 +128,10 @@ class Overloaded(RequestError):
 
 class Draining(RequestError):
     """SPEC §7: the gateway is shutting down (or its drain deadline passed)."""
+
+
+class Restarting(RequestError):
+    """SPEC §12: the worker that serves this (the Batch API's, worker 0) is being replaced."""
 
 
 class InvalidConfig(RequestError):

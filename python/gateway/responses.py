@@ -38,6 +38,7 @@ ANSWERS: dict[type[e.GatewayError], tuple[int, str, str]] = {
     e.NoHealthyInstance: (503, "no_healthy_instance", "server_error"),
     e.Overloaded: (503, "overloaded", "server_error"),
     e.Draining: (503, "draining", "server_error"),
+    e.Restarting: (503, "restarting", "server_error"),
     e.UpstreamTimedOut: (504, "upstream_timeout", "server_error"),
 }
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from gateway.app import Gateway
+from gateway.batch.relay import BatchRelay
 from gateway.config import Config
 from gateway.health import Prober
 from gateway.scheduler import now_ms
@@ -102,13 +103,23 @@ class Server:
         self._site = site
         if runner.addresses:
             self.port = int(runner.addresses[0][1])
+        batch_home = self.link is None or self.link.batch_home
+        if self.link is not None and self.link.batch_socket:
+            # SPEC §12 × §14: worker 0 serves the Batch API; the others relay to it.
+            if batch_home:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.link.batch_socket)  # left by the worker this one replaces
+                await web.UnixSite(runner, self.link.batch_socket).start()
+            else:
+                self.gateway.batch_relay = BatchRelay(self.link.batch_socket)
         self.prober.start()
         if self.link is not None:
             self.link.on_wake = self._kick
             self.link.start(asyncio.get_running_loop())
             self._spawn(self._worker_tick(self.link), "worker-tick")
         # SPEC §14: unfinished batches resume (the store opens later if it does not exist yet).
-        await self.gateway.batch.start()
+        if batch_home:
+            await self.gateway.batch.start()
         self._spawn(self._janitor(), "janitor")
         if self.cluster is not None:
             self._spawn(self.cluster.run(), "cluster")

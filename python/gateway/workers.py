@@ -32,10 +32,12 @@ import ctypes
 import fcntl
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +56,7 @@ TICK_S = 0.010
 #: A worker that dies sooner than this after its start is restarted after a pause (no spin).
 _CRASH_LOOP_S = 1.0
 _ENV = "GATEWAY_WORKER"
+_BATCH_ENV = "GATEWAY_WORKER_BATCH_SOCKET"
 
 _link: WorkerLink | None = None
 
@@ -88,6 +91,9 @@ class WorkerLink:
     region: _core.Region
     wake_fds: tuple[int, ...]
     supervisor: int
+    #: SPEC §14 with workers: worker 0 serves the Batch API on this Unix socket, the others
+    #: relay to it.
+    batch_socket: str = ""
     #: Called (on the loop) when another worker woke this one.
     on_wake: Callable[[], None] | None = None
     _pending: int = field(default=0, repr=False)
@@ -109,7 +115,13 @@ class WorkerLink:
             region=_core.Region(int(shm_fd)),
             wake_fds=wake_fds,
             supervisor=int(supervisor),
+            batch_socket=os.environ.get(_BATCH_ENV, ""),
         )
+
+    @property
+    def batch_home(self) -> bool:
+        """Whether this worker runs the Batch API (the store and its runner)."""
+        return self.slot == 0
 
     def wake(self, mask: int) -> None:
         """Wakes the worker slots in the bit set `mask` (never this one)."""
@@ -192,6 +204,8 @@ class Supervisor:
         self.port = self._sock.getsockname()[1]
         self._done = asyncio.Event()
         self.reclaimed = 0
+        self._dir = tempfile.mkdtemp(prefix="gateway-workers-")
+        self.batch_socket = os.path.join(self._dir, "batch.sock")
 
     def _reserve_port(self) -> socket.socket:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
@@ -210,6 +224,7 @@ class Supervisor:
         fds = ",".join(str(fd) for fd in self._wake)
         env = dict(os.environ)
         env[_ENV] = f"{slot.index}:{slot.incarnation}:{self._shm}:{os.getpid()}:{fds}"
+        env[_BATCH_ENV] = self.batch_socket
         argv = [sys.executable, "-m", "gateway.cli", *self.argv, "--port", str(self.port)]
         proc = subprocess.Popen(argv, env=env, pass_fds=(self._shm, *self._wake))
         slot.proc = proc
@@ -315,4 +330,5 @@ class Supervisor:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
                 loop.remove_signal_handler(sig)
             self._sock.close()
+            shutil.rmtree(self._dir, ignore_errors=True)
         return 0
