@@ -346,3 +346,19 @@ async def test_the_batch_api_works_through_any_worker(tmp_path: Path, mocks: Moc
         )
         await c.close()
         await gw.assert_quiet()
+
+
+async def test_metrics_from_any_worker_count_the_whole_gateway(
+    tmp_path: Path, mocks: MockFactory
+) -> None:
+    m = await mocks()
+    async with workers(tmp_path, 3, _instances((m, 4))) as gw:
+        results = await asyncio.gather(*(gw.chat() for _ in range(30)))
+        assert [r.status for r in results] == [200] * 30
+        line = 'gateway_requests_total{code="200",pool="p",priority="high"}'
+        for _ in range(12):  # fresh connections: several workers answer
+            async with gw.session.get(gw.url + "/metrics") as r:
+                text = await r.text()
+            values = [x.split()[-1] for x in text.splitlines() if x.startswith(line)]
+            assert values == ["30.0"], values
+            assert 'gateway_instance_in_flight{instance="i0",pool="p"} 0.0' in text

@@ -14,10 +14,17 @@ latency, time to first byte — carry the sampled request's trace id as an OpenM
 (`{trace_id="..."}`); they show in the OpenMetrics exposition, which `exposition(accept)`
 answers to a scraper that asks for `application/openmetrics-text` (Prometheus does when
 exemplar storage is on). The classic text format has no exemplars and stays the default.
+
+SPEC §12 (`--workers N`): every worker answers `/metrics` for the whole gateway. The state
+gauges already do (each worker reads the shared region); counters and histograms use
+prometheus-client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`, set by the supervisor: each
+process writes its values to its own mmap'd file and a scrape sums them all — a dead worker's
+counts stay in the totals, so counters never go backwards). That mode has no exemplars.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +36,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 
@@ -38,6 +46,10 @@ if TYPE_CHECKING:
     from gateway.runtime import Runtime
 
 __all__ = ["CONTENT_TYPE", "OPENMETRICS_CONTENT_TYPE", "Metrics"]
+
+#: SPEC §12: the values of every worker process are summed at scrape time (read once, at import,
+#: as prometheus-client itself does).
+MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OPENMETRICS_CONTENT_TYPE = openmetrics.CONTENT_TYPE_LATEST
@@ -212,15 +224,23 @@ class Metrics:
             "gateway_config_last_reload_success",
             "1 if the last config (re)load succeeded",
             registry=r,
+            multiprocess_mode="livemin",
         )
         self.last_reload_success.set(1)
         self.last_reload_time = Gauge(
             "gateway_config_last_reload_success_timestamp_seconds",
             "When the running config was loaded",
             registry=r,
+            multiprocess_mode="livemax",
         )
         self.last_reload_time.set_to_current_time()
-        build = Gauge("gateway_build_info", "Build information", ["version"], registry=r)
+        build = Gauge(
+            "gateway_build_info",
+            "Build information",
+            ["version"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         build.labels(__version__).set(1)
         # SPEC §14: Batch API lines finished (output or error file) and line-level retries.
         self.batch_lines = Counter(
@@ -238,8 +258,12 @@ class Metrics:
             self.rejections.labels(reason)
         for result in ("completed", "failed"):
             self.batch_lines.labels(result)
-        r.register(_CoreCollector(runtime))
+        # Collectors that read live state at scrape time (the same in every worker).
+        self._live: list[Collector] = [_CoreCollector(runtime)]
+        r.register(self._live[0])
         self._children: dict[tuple[Any, ...], Any] = {}
+        self._batch_gauge: Gauge | None = None
+        self._batch_counts: Callable[[], Mapping[str, int]] | None = None
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), *labels)
@@ -294,8 +318,27 @@ class Metrics:
                 self._child(self.tokens, pool, instance, kind).inc(n)
 
     def watch_batches(self, counts: Callable[[], Mapping[str, int]]) -> None:
-        """Exposes `gateway_batches{status}` from `counts()` (read at scrape time)."""
-        self.registry.register(_BatchCollector(counts))
+        """Exposes `gateway_batches{status}` from `counts()` (read at scrape time; with
+        workers, a gauge the Batch API's worker keeps current: see `batches_changed`)."""
+        if MULTIPROCESS:
+            self._batch_counts = counts
+            self._batch_gauge = Gauge(
+                "gateway_batches",
+                "Batch API batches per status",
+                ["status"],
+                registry=self.registry,
+                multiprocess_mode="livesum",
+            )
+            return
+        collector = _BatchCollector(counts)
+        self._live.append(collector)
+        self.registry.register(collector)
+
+    def batches_changed(self) -> None:
+        """A batch changed status (only workers keep a gauge; one process reads at scrape)."""
+        if self._batch_gauge is not None and self._batch_counts is not None:
+            for status, n in self._batch_counts().items():
+                self._child(self._batch_gauge, status).set(n)
 
     def batch_line_done(self, ok: bool) -> None:
         self._child(self.batch_lines, "completed" if ok else "failed").inc()
@@ -309,9 +352,20 @@ class Metrics:
         if ok:
             self.last_reload_time.set_to_current_time()
 
+    def _scraped(self) -> CollectorRegistry:
+        """What a scrape reads: this registry, or with workers every process's values summed
+        plus this worker's live collectors (which already see the whole gateway)."""
+        if not MULTIPROCESS:
+            return self.registry
+        registry = CollectorRegistry(auto_describe=False)
+        MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        for collector in self._live:
+            registry.register(collector)
+        return registry
+
     def render(self) -> bytes:
         """The classic Prometheus text format (0.0.4)."""
-        return generate_latest(self.registry)
+        return generate_latest(self._scraped())
 
     def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
         """`(body, content_type)` for a scrape with this `Accept` header: OpenMetrics 1.0
@@ -321,8 +375,8 @@ class Metrics:
             for item in accept.split(","):
                 media, _, params = item.partition(";")
                 if media.strip().lower() == "application/openmetrics-text" and not _q_zero(params):
-                    return _openmetrics_latest(self.registry), OPENMETRICS_CONTENT_TYPE
-        return generate_latest(self.registry), CONTENT_TYPE
+                    return _openmetrics_latest(self._scraped()), OPENMETRICS_CONTENT_TYPE
+        return generate_latest(self._scraped()), CONTENT_TYPE
 
 
 def _q_zero(params: str) -> bool:
