@@ -156,3 +156,171 @@ fn reclaiming_a_dead_worker_frees_its_units_for_the_others() {
     assert_eq!(a.peers_waiting(), (0, 0));
     assert_eq!(r.held(0, 0), 1);
 }
+
+mod random_runs {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Submit(usize, bool),
+        Release(usize),
+        Cancel(usize),
+        Tick(usize),
+        /// The worker is killed: its region fields are reclaimed and a fresh one replaces it.
+        Kill(usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (0..3usize, any::<bool>()).prop_map(|(w, h)| Op::Submit(w, h)),
+            3 => any::<usize>().prop_map(Op::Release),
+            1 => any::<usize>().prop_map(Op::Cancel),
+            1 => (0..3usize).prop_map(Op::Tick),
+            1 => (0..3usize).prop_map(Op::Kill),
+        ]
+    }
+
+    const CAPS: [u32; 3] = [1, 2, 3];
+
+    struct World {
+        r: Region<'static>,
+        pools: Vec<Pool>,
+        /// ticket -> (worker, granted)
+        tickets: HashMap<u64, (usize, bool)>,
+        next: u64,
+        now: u64,
+    }
+
+    impl World {
+        fn new() -> Self {
+            let r = region(3);
+            let pools = (0..3)
+                .map(|w| worker(r, w, &CAPS, PoolConfig::default()))
+                .collect();
+            Self {
+                r,
+                pools,
+                tickets: HashMap::new(),
+                next: 1,
+                now: 0,
+            }
+        }
+
+        fn apply(&mut self, w: usize, events: Vec<gateway_core::Event>) {
+            let mut queue = vec![(w, events)];
+            let mut rounds = 0;
+            while let Some((w, events)) = queue.pop() {
+                for e in events {
+                    match e.kind {
+                        EventKind::Granted(_) => self.tickets.insert(e.ticket, (w, true)),
+                        _ => self.tickets.remove(&e.ticket),
+                    };
+                }
+                // Wakes are delivered at once (the eventfd), as the workers' loops do; they
+                // must die out (no two workers waking each other for ever).
+                let wakes = self.pools[w].take_wakes();
+                for k in (0..3).filter(|k| wakes & (1 << k) != 0) {
+                    rounds += 1;
+                    assert!(rounds < 20, "wake storm: {:?}", self.tickets);
+                    queue.push((k, self.pools[k].tick(self.now)));
+                }
+            }
+        }
+
+        fn nth(&self, n: usize, granted: bool) -> Option<u64> {
+            let mut ts: Vec<u64> = self
+                .tickets
+                .iter()
+                .filter(|(_, v)| v.1 == granted)
+                .map(|(t, _)| *t)
+                .collect();
+            ts.sort_unstable();
+            (!ts.is_empty()).then(|| ts[n % ts.len()])
+        }
+
+        fn run(&mut self, op: Op) {
+            self.now += 1;
+            match op {
+                Op::Submit(w, high) => {
+                    let t = self.next;
+                    self.next += 1;
+                    let p = if high { Priority::High } else { Priority::Low };
+                    match self.pools[w].submit(t, p, 0, 0, 0, self.now) {
+                        Ok(Admit::Granted(_)) => drop(self.tickets.insert(t, (w, true))),
+                        Ok(Admit::Queued(_)) => drop(self.tickets.insert(t, (w, false))),
+                        Err(_) => {}
+                    }
+                    let events = self.pools[w].take_events();
+                    self.apply(w, events);
+                }
+                Op::Release(n) => {
+                    if let Some(t) = self.nth(n, true) {
+                        let (w, _) = self.tickets.remove(&t).unwrap();
+                        let events = self.pools[w]
+                            .release(t, Outcome::Success, 0, self.now)
+                            .unwrap();
+                        self.apply(w, events);
+                    }
+                }
+                Op::Cancel(n) => {
+                    if let Some(t) = self.nth(n, false) {
+                        let (w, _) = self.tickets.remove(&t).unwrap();
+                        assert!(self.pools[w].cancel(t));
+                    }
+                }
+                Op::Tick(w) => {
+                    let events = self.pools[w].tick(self.now);
+                    self.apply(w, events);
+                }
+                Op::Kill(w) => {
+                    self.r.reclaim(w);
+                    self.tickets.retain(|_, v| v.0 != w);
+                    self.pools[w] = worker(self.r, w, &CAPS, PoolConfig::default());
+                    for k in 0..3 {
+                        let events = self.pools[k].tick(self.now);
+                        self.apply(k, events);
+                    }
+                }
+            }
+            self.check();
+        }
+
+        fn check(&self) {
+            for (k, &cap) in CAPS.iter().enumerate() {
+                let held = self.r.held(0, k);
+                let local: u32 = self.pools.iter().map(|p| p.instances()[k].in_flight).sum();
+                assert_eq!(
+                    held,
+                    u64::from(local),
+                    "the region counts exactly the live attempts"
+                );
+                assert!(held <= u64::from(cap), "instance {k} over its cap");
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+        #[test]
+        fn units_are_exact_and_every_waiter_is_served(ops in prop::collection::vec(op(), 1..120)) {
+            let mut world = World::new();
+            for op in ops {
+                world.run(op);
+            }
+            // Quiesce: finish everything in flight; every waiting request must be granted.
+            while let Some(t) = world.nth(0, true) {
+                let (w, _) = world.tickets.remove(&t).unwrap();
+                world.now += 1;
+                let events = world.pools[w].release(t, Outcome::Success, 0, world.now).unwrap();
+                world.apply(w, events);
+                world.check();
+            }
+            prop_assert!(world.tickets.is_empty(), "waiters left with every unit free: {:?}", world.tickets);
+            for k in 0..CAPS.len() {
+                prop_assert_eq!(world.r.held(0, k), 0);
+            }
+        }
+    }
+}
