@@ -12,6 +12,7 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{fence, Ordering::SeqCst};
 
 use crate::affinity::{self, HashRing};
 use crate::balancer::{Balancer, Load};
@@ -532,6 +533,14 @@ impl Pool {
             .push(Entry::new(ticket, tenant, now, excluded).with_affinity_key(affinity_key));
         self.tickets
             .insert(ticket, TicketState::Waiting(class, tenant));
+        if self.shared.is_some() {
+            // SPEC §12, no lost wake-up: publish that we wait, *then* look at the units again.
+            // A worker freeing a unit gives it back, then reads who waits; with a full fence
+            // on both sides (Dekker's pattern) at least one of the two sees the other.
+            self.publish_waiting();
+            fence(SeqCst);
+            self.sync(now);
+        }
         // Usually nothing fits (the queue was non-empty because nothing did), but a free slot
         // that only retries excluded, or capacity that came back with time, must not idle.
         self.pump(now);
@@ -595,6 +604,7 @@ impl Pool {
         self.tickets.remove(&ticket);
         if let Some(shared) = self.shared.as_mut() {
             shared.give(instance as usize, trial);
+            fence(SeqCst); // the other half of `submit`'s fence: then read who waits
         }
         self.sync(now);
         // Time-driven transitions first, so the outcome meets the state it really lands in.

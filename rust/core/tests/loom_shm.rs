@@ -93,3 +93,39 @@ fn a_unit_given_back_is_taken_by_exactly_one_waiter() {
         assert_eq!(sum(word.load(Acquire), bits), won as u64);
     });
 }
+
+/// No lost wake-up (SPEC §12): a worker frees a unit (give, fence, read who waits) while
+/// another arrives to a full instance (publish that it waits, fence, read the units). Either
+/// the arrival sees the free unit and takes it, or the releaser sees the waiter and wakes it.
+#[test]
+fn a_freed_unit_and_a_new_waiter_always_meet() {
+    use loom::sync::atomic::{fence, Ordering::SeqCst};
+    model(|| {
+        let bits = field_bits(2);
+        let lease = Arc::new(AtomicU64::new(0));
+        let waiting = Arc::new(AtomicU64::new(0));
+        assert!(take(&lease, 0, bits, 1));
+        let releaser = {
+            let (lease, waiting) = (lease.clone(), waiting.clone());
+            thread::spawn(move || {
+                assert!(give(&lease, 0, bits));
+                fence(SeqCst);
+                waiting.load(SeqCst) != 0 // wakes the waiter
+            })
+        };
+        let arrival = {
+            let (lease, waiting) = (lease.clone(), waiting.clone());
+            thread::spawn(move || {
+                waiting.store(1, SeqCst);
+                fence(SeqCst);
+                take(&lease, 1, bits, 1) // self-dispatch
+            })
+        };
+        let woke = releaser.join().unwrap();
+        let took = arrival.join().unwrap();
+        assert!(
+            woke || took,
+            "the free unit and the waiter missed each other"
+        );
+    });
+}
