@@ -236,6 +236,48 @@ async def test_a_reload_through_one_worker_applies_to_all(
             await asyncio.sleep(0.1)
 
 
+async def test_sighup_to_the_supervisor_reloads_every_worker(
+    tmp_path: Path, mocks: MockFactory
+) -> None:
+    m = await mocks()
+    async with workers(tmp_path, 3, _instances((m, 4))) as gw:
+        port = int(gw.url.rsplit(":", 1)[1])
+        _write(tmp_path / "gateway.yaml", port, _instances((m, 4)), alias="after-hup")
+        gw.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while True:
+            results = await asyncio.gather(*(gw.chat(model="after-hup") for _ in range(12)))
+            if all(r.status == 200 for r in results):
+                break
+            assert time.monotonic() < deadline, "a worker kept the old config"
+            await asyncio.sleep(0.1)
+
+
+async def test_a_taken_port_is_a_clear_error(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        path = tmp_path / "gateway.yaml"
+        _write(
+            path,
+            port,
+            '      - {name: a, url: "http://127.0.0.1:9/v1", model: up, max_concurrency: 1}',
+        )
+        proc = await asyncio.create_subprocess_exec(
+            *GATEWAY,
+            "serve",
+            "--config",
+            str(path),
+            "--workers",
+            "2",
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 1
+        assert b"cannot listen on 127.0.0.1" in err and b"Traceback" not in err
+
+
 async def test_sigterm_to_the_supervisor_drains_every_worker(
     tmp_path: Path, mocks: MockFactory
 ) -> None:

@@ -68,7 +68,11 @@ async def supervise(args: argparse.Namespace, config: Config) -> int:
     if args.no_access_log:
         argv.append("--no-access-log")
     port = args.port if args.port is not None else config.listen.port
-    supervisor = Supervisor(args.workers, argv, host, port)
+    try:
+        supervisor = Supervisor(args.workers, argv, host, port)
+    except OSError as exc:
+        print(f"cannot listen on {host}:{port}: {exc.strerror}", file=sys.stderr)
+        return 1
 
     def listening(s: Supervisor) -> None:
         print(f"gateway {__version__} listening on {s.url} ({s.n} workers)", flush=True)
