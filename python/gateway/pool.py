@@ -295,31 +295,9 @@ class Pool:
         instances = []
         for i, up in enumerate(self._upstreams):
             info = core.instance(i, now)
-            if info.removed and info.in_flight == 0:
-                continue  # removed by a reload and drained: gone
-            state = _display_state(info, now)
-            leases = self._leases
-            instances.append(
-                InstanceSnapshot(
-                    index=i,
-                    name=up.name,
-                    state=state,
-                    circuit=info.state,
-                    in_flight=info.in_flight + info.peer_in_flight,
-                    max_concurrency=(
-                        info.max_concurrency if leases is None else up.spec.max_concurrency
-                    ),
-                    consecutive_failures=info.consecutive_failures,
-                    ejected_until_ms=info.ejected_until_ms,
-                    cooling_until_ms=info.cool_until_ms if state == "cooling" else None,
-                    next_try_ms=info.next_try_ms,
-                    ejections=info.ejections,
-                    removed=info.removed,
-                    last_error=self._last_errors.get(up),
-                    backend=self._backend.get(up),
-                    lease=None if leases is None else leases.lease(i),
-                )
-            )
+            if info.removed and info.in_flight + info.peer_in_flight == 0:
+                continue  # removed by a reload and drained (in every worker): gone
+            instances.append(self._instance_snapshot(i, up, info, now))
         return PoolSnapshot(
             name=self.name,
             now_ms=now,
@@ -344,6 +322,29 @@ class Pool:
             affinity_spills=stats.affinity_spills,
             lease_waiting=0 if self._leases is None else self._leases.waiting,
             lease_fenced=self._leases is not None and self._leases.fenced,
+        )
+
+    def _instance_snapshot(
+        self, i: int, up: Upstream, info: _core.InstanceInfo, now: int
+    ) -> InstanceSnapshot:
+        state = _display_state(info, now)
+        leases = self._leases
+        return InstanceSnapshot(
+            index=i,
+            name=up.name,
+            state=state,
+            circuit=info.state,
+            in_flight=info.in_flight + info.peer_in_flight,  # SPEC §12: every worker's
+            max_concurrency=info.max_concurrency if leases is None else up.spec.max_concurrency,
+            consecutive_failures=info.consecutive_failures,
+            ejected_until_ms=info.ejected_until_ms,
+            cooling_until_ms=info.cool_until_ms if state == "cooling" else None,
+            next_try_ms=info.next_try_ms,
+            ejections=info.ejections,
+            removed=info.removed,
+            last_error=self._last_errors.get(up),
+            backend=self._backend.get(up),
+            lease=None if leases is None else leases.lease(i),
         )
 
     def _on_transition(self, index: int, state: InstanceState) -> None:
