@@ -198,14 +198,7 @@ impl Breaker {
         if self.state == InstanceState::Ejected && self.ejected_until >= until {
             return;
         }
-        self.state = InstanceState::Ejected;
-        self.ejected_until = until;
-        self.consecutive_failures = 0;
-        self.consecutive_successes = 0;
-        self.trials = 0;
-        self.probe_ok = false;
-        self.epoch = self.epoch.wrapping_add(1);
-        self.ejections += 1;
+        self.enter_ejection(until);
     }
 
     fn count_failure(&mut self, cfg: &HealthConfig, now: Millis) {
@@ -234,8 +227,12 @@ impl Breaker {
             .saturating_mul(1u64 << self.level.min(32))
             .min(cfg.max_ejection_ms.max(cfg.ejection_ms));
         self.level = self.level.saturating_add(1);
+        self.enter_ejection(now.saturating_add(span));
+    }
+
+    fn enter_ejection(&mut self, until: Millis) {
         self.state = InstanceState::Ejected;
-        self.ejected_until = now.saturating_add(span);
+        self.ejected_until = until;
         self.consecutive_failures = 0;
         self.consecutive_successes = 0;
         self.trials = 0;

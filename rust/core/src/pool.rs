@@ -480,24 +480,22 @@ impl Pool {
         if self.tickets.contains_key(&ticket) {
             return Err(CoreError::DuplicateTicket(ticket));
         }
-        if self.shared.is_none() {
-            return self.submit_inner(ticket, priority, tenant, excluded, affinity_key, now);
-        }
+        // SPEC §12: a worker first reads the others' state, and after, shows its own.
         self.sync(now);
-        let admit = self.submit_inner(ticket, priority, tenant, excluded, affinity_key, now);
+        let admit = self.admit(ticket, priority, (tenant, excluded, affinity_key), now);
         self.publish(now, false);
         admit
     }
 
-    fn submit_inner(
+    /// `submit` after the duplicate check; `extra` is (tenant, excluded, affinity key).
+    fn admit(
         &mut self,
         ticket: Ticket,
         priority: Priority,
-        tenant: Tenant,
-        excluded: u64,
-        affinity_key: u64,
+        extra: (Tenant, u64, u64),
         now: Millis,
     ) -> Result<Admit, CoreError> {
+        let (tenant, excluded, affinity_key) = extra;
         self.advance(now);
         // SPEC §6: nothing this request may use is up — answer now (fallback or 503).
         if !self.any_available(excluded) {
