@@ -85,8 +85,7 @@ impl Shared {
         let mut changed = false;
         for (k, inst) in instances.iter_mut().enumerate() {
             let s = self.slots[k];
-            let held = r.held(p, s);
-            let mine = r.held_by(p, s, me);
+            let (held, mine) = r.held_split(p, s, me);
             inst.peer_in_flight = held.saturating_sub(mine).min(u64::from(u32::MAX)) as u32;
             let before = inst.breaker.state();
             let (gen, until) = r.ejection(p, s);

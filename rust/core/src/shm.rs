@@ -404,6 +404,12 @@ impl<'a> Region<'a> {
         sum(self.lease(p, s).load(Acquire), self.bits)
     }
 
+    /// (units held by all workers, by worker `w`) from one read of the lease word.
+    pub fn held_split(&self, p: usize, s: usize, w: usize) -> (u64, u64) {
+        let v = self.lease(p, s).load(Acquire);
+        (sum(v, self.bits), field(v, w, self.bits))
+    }
+
     pub fn held_by(&self, p: usize, s: usize, w: usize) -> u64 {
         field(self.lease(p, s).load(Acquire), w, self.bits)
     }
