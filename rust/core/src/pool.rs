@@ -509,7 +509,7 @@ impl Pool {
             if let Some((inst, placed)) = self.pick_instance(excluded, affinity_key, now) {
                 let choice = Choice::Alone(priority);
                 self.commit_choice(choice, priority, false, now);
-                self.grant(ticket, priority, inst, placed, now);
+                self.grant(ticket, (priority, tenant), inst, placed, now);
                 return Ok(Admit::Granted(inst));
             }
         }
@@ -531,7 +531,8 @@ impl Pool {
             .push(Entry::new(ticket, tenant, now, excluded).with_affinity_key(affinity_key));
         self.tickets
             .insert(ticket, TicketState::Waiting(class, tenant));
-        if self.shared.is_some() {
+        if let Some(shared) = self.shared.as_mut() {
+            shared.tenant_waits(tenant);
             // SPEC §12, no lost wake-up: publish that we wait, *then* look at the units again.
             // A worker freeing a unit gives it back, then reads who waits; with a full fence
             // on both sides (Dekker's pattern) at least one of the two sees the other.
@@ -745,12 +746,8 @@ impl Pool {
                 break;
             };
             let first = choice.class();
-            if self.queues[first.index()].live() == 0 {
-                if let Some(shared) = self.shared.as_mut() {
-                    // The turn is a class only other workers have waiting: theirs to take.
-                    shared.defer_to(first);
-                    break;
-                }
+            if self.shared.is_some() && self.defers(first, now) {
+                break;
             }
             let Some((entry, (inst, placed), class)) = self
                 .pop_fitting(first, now)
@@ -763,7 +760,7 @@ impl Pool {
                 self.stats.forced_low += 1;
             }
             self.tickets.remove(&entry.ticket);
-            self.grant(entry.ticket, class, inst, placed, now);
+            self.grant(entry.ticket, (class, entry.tenant), inst, placed, now);
             self.events.push(Event {
                 ticket: entry.ticket,
                 kind: EventKind::Granted(inst),
@@ -857,11 +854,14 @@ impl Pool {
     fn grant(
         &mut self,
         ticket: Ticket,
-        class: Priority,
+        (class, tenant): (Priority, Tenant),
         inst: usize,
         placed: Affinity,
         now: Millis,
     ) {
+        if let Some(shared) = self.shared.as_mut() {
+            shared.tenant_granted(tenant);
+        }
         match placed {
             Affinity::None => {}
             Affinity::Hit => self.stats.affinity_hits += 1,
@@ -1163,12 +1163,35 @@ impl Pool {
         let tickets = &self.tickets;
         let [high, low] = &mut self.queues;
         let counts = (high.live(), low.live());
+        let is_high = |t| is_waiting(tickets, t, Priority::High);
+        let is_low = |t| is_waiting(tickets, t, Priority::Low);
         let oldest = (
-            high.oldest_enqueued_at(&|t| is_waiting(tickets, t, Priority::High)),
-            low.oldest_enqueued_at(&|t| is_waiting(tickets, t, Priority::Low)),
+            high.oldest_enqueued_at(&is_high),
+            low.oldest_enqueued_at(&is_low),
         );
+        let turns = (high.next_turn(&is_high), low.next_turn(&is_low));
         if let Some(shared) = self.shared.as_mut() {
+            shared.publish_turns(turns.0, turns.1);
             shared.publish_waiting(counts, oldest);
+        }
+    }
+
+    /// SPEC §12: whether this worker gives the grant of a `class` turn to another: the class
+    /// waits only there, or another worker's next turn in it is fairer (its tenant had fewer
+    /// grants across workers, or as many and it came first). The other is woken.
+    fn defers(&mut self, class: Priority, now: Millis) -> bool {
+        let tickets = &self.tickets;
+        let mine = self.queues[class.index()].next_turn(&|t| is_waiting(tickets, t, class));
+        let Some(shared) = self.shared.as_mut() else {
+            return false;
+        };
+        match mine {
+            None => {
+                // The turn is a class only other workers have waiting: theirs to take.
+                shared.defer_to(class);
+                true
+            }
+            Some(mine) => shared.better_turn(class, mine, now).is_some(),
         }
     }
 

@@ -170,6 +170,19 @@ impl ClassQueue {
         self.irregular -= dropped;
     }
 
+    /// Whose turn is next: the tenant at the front of the ring and the arrival of its first
+    /// live entry (SPEC §12: compared across workers).
+    pub fn next_turn(&mut self, is_live: &impl Fn(Ticket) -> bool) -> Option<(Tenant, Millis)> {
+        if self.live == 0 {
+            return None;
+        }
+        self.clean_heads(is_live);
+        self.ring
+            .iter()
+            .find(|q| q.live > 0)
+            .and_then(|q| q.entries.front().map(|e| (q.tenant, e.enqueued_at)))
+    }
+
     /// The arrival time of the oldest live entry (the starvation guard's "oldest low").
     pub fn oldest_enqueued_at(&mut self, is_live: &impl Fn(Ticket) -> bool) -> Option<Millis> {
         if self.live == 0 {

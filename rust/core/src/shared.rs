@@ -8,11 +8,17 @@
 //! Without a `Shared` nothing here runs: a single process pays one `Option` check per
 //! operation.
 
+use std::collections::HashMap;
+
 use crate::health::HealthConfig;
 use crate::pool::Instance;
 use crate::selector::Selector;
 use crate::shm::{PeerWaiting, Region};
-use crate::types::{InstanceState, Millis, Priority};
+use crate::types::{InstanceState, Millis, Priority, Tenant};
+
+/// A deferral that has not been taken up for this long is stale: the peer cannot use the
+/// unit (its head is cooling there, or excluded), so this worker serves its own.
+const STALE_DEFER_MS: Millis = 10;
 
 #[derive(Debug)]
 pub struct Shared {
@@ -29,6 +35,10 @@ pub struct Shared {
     pub peers: PeerWaiting,
     /// Worker slots to wake (a unit is free for what they have waiting).
     wakes: u64,
+    /// Tenant table entries, cached (claiming scans the table).
+    tenants: HashMap<Tenant, usize>,
+    /// The latest turn given up to a peer: (class, worker, its turn, when).
+    deferred: Option<(Priority, usize, (usize, Millis), Millis)>,
 }
 
 impl Shared {
@@ -46,6 +56,8 @@ impl Shared {
             published_until: Vec::new(),
             peers: PeerWaiting::default(),
             wakes: 0,
+            tenants: HashMap::new(),
+            deferred: None,
         })
     }
 
@@ -188,6 +200,75 @@ impl Shared {
     pub fn claim_probe(&self, idx: usize, now: Millis, interval_ms: Millis) -> bool {
         self.region
             .claim_probe(self.pool, self.slots[idx], now, interval_ms)
+    }
+
+    fn tenant_slot(&mut self, tenant: Tenant) -> usize {
+        let (r, p) = (self.region, self.pool);
+        *self
+            .tenants
+            .entry(tenant)
+            .or_insert_with(|| r.tenant_slot(p, tenant))
+    }
+
+    /// A request of `tenant` starts waiting (fair share: an idle tenant joins at the pool's
+    /// virtual time).
+    pub fn tenant_waits(&mut self, tenant: Tenant) {
+        let k = self.tenant_slot(tenant);
+        self.region.tenant_waits(self.pool, k);
+    }
+
+    /// A grant to `tenant`, counted for fair share across workers.
+    pub fn tenant_granted(&mut self, tenant: Tenant) {
+        let k = self.tenant_slot(tenant);
+        self.region.count_tenant_grant(self.pool, k);
+    }
+
+    /// This worker's next turn per class, for the others to compare with theirs.
+    pub fn publish_turns(&mut self, high: Option<(Tenant, Millis)>, low: Option<(Tenant, Millis)>) {
+        let high = high.map(|(t, at)| (self.tenant_slot(t), at));
+        let low = low.map(|(t, at)| (self.tenant_slot(t), at));
+        self.region.publish_turns(self.pool, self.worker, high, low);
+    }
+
+    /// SPEC §12 "tenant fair share ... apply to the union": the worker whose next turn in
+    /// `class` deserves the unit more than ours — its tenant has had fewer grants across all
+    /// workers, or as many and its head arrived first — or `None` if ours is the one.
+    pub fn better_turn(
+        &mut self,
+        class: Priority,
+        mine: (Tenant, Millis),
+        now: Millis,
+    ) -> Option<usize> {
+        let (r, p) = (self.region, self.pool);
+        let high = class == Priority::High;
+        let mine_slot = self.tenant_slot(mine.0);
+        let key = |(k, at): (usize, Millis)| (r.tenant_grants(p, k), at);
+        let mut best = (key((mine_slot, mine.1)), None);
+        let mask = if high {
+            self.peers.high_workers
+        } else {
+            self.peers.low_workers
+        };
+        for w in (0..r.workers()).filter(|w| mask & (1 << w) != 0) {
+            if let Some(turn) = r.turn(p, w, high) {
+                if key(turn) < best.0 {
+                    best = (key(turn), Some((w, turn)));
+                }
+            }
+        }
+        let (w, turn) = best.1?;
+        match self.deferred {
+            // Given up to the same turn a while ago and still there: the peer cannot take it.
+            Some((c, dw, dt, at))
+                if c == class && dw == w && dt == turn && now >= at + STALE_DEFER_MS =>
+            {
+                return None;
+            }
+            Some((c, dw, dt, _)) if c == class && dw == w && dt == turn => {}
+            _ => self.deferred = Some((class, w, turn, now)),
+        }
+        self.wakes |= 1 << w;
+        Some(w)
     }
 
     /// Someone else has `class` waiting: wake them (this worker has none of it).

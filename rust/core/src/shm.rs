@@ -45,6 +45,9 @@ pub const MAX_WORKERS: usize = 8;
 pub const MAX_POOLS: usize = 32;
 /// Instance slots per pool: a pool's live instances plus those a reload replaced.
 pub const MAX_SLOTS: usize = 128;
+/// Tenants per pool whose grants are counted for fair share across workers; more share one
+/// overflow count.
+pub const MAX_TENANTS: usize = 64;
 
 // Header words.
 const H_MAGIC: usize = 0;
@@ -64,11 +67,17 @@ const P_SELECTOR: usize = 1; // credit_high as i32 bits << 32 | consecutive_high
 const P_LAST_LOW: usize = 2; // the last low grant, ms + 1
 const P_GRANTED: usize = 3; // grants across workers (high)
 const P_GRANTED_LOW: usize = 4;
+const P_VIRTUAL_TIME: usize = 5; // the highest tenant grant count reached (fair share)
 
 // A worker's summary line within a pool.
 const S_COUNTS: usize = 0; // high << 32 | low
 const S_OLDEST_HIGH: usize = 1; // ms + 1, 0 = none
 const S_OLDEST_LOW: usize = 2;
+// Whose turn is next in this worker, per class: tenant + 1 (0 none) and its head's arrival + 1.
+const S_TURN_HIGH: usize = 3;
+const S_TURN_HIGH_AT: usize = 4;
+const S_TURN_LOW: usize = 5;
+const S_TURN_LOW_AT: usize = 6;
 
 // An instance slot's line.
 const I_ID: usize = 0;
@@ -78,7 +87,9 @@ const I_PROBE: usize = 3; // sequence << 1 | ok
 const I_PROBE_CLAIM: usize = 4; // when the latest probe was claimed, ms + 1
 const I_TRIALS: usize = 5; // half-open trial permits, one field per worker (lease layout)
 
-const POOL_LINES: usize = 1 + MAX_WORKERS + MAX_SLOTS;
+// The tenant table: per entry two words (tenant + 1, grants), eight entries a line.
+const TENANT_LINES: usize = MAX_TENANTS * 2 / LINE;
+const POOL_LINES: usize = 1 + MAX_WORKERS + MAX_SLOTS + TENANT_LINES;
 const POOLS_AT: usize = LINE * (1 + MAX_WORKERS);
 /// The region's length in words.
 pub const REGION_WORDS: usize = POOLS_AT + MAX_POOLS * POOL_LINES * LINE;
@@ -94,7 +105,9 @@ pub const WORKER_RECLAIMING: u64 = 2;
 /// FNV-1a over the layout's constants: two builds agree on it only if they agree on where
 /// every word is. A worker built from other sources refuses to attach.
 pub const ABI_HASH: u64 = {
-    let parts: [u64; 14] = [
+    let parts: [u64; 16] = [
+        MAX_TENANTS as u64,
+        S_TURN_LOW_AT as u64,
         LAYOUT_VERSION,
         LINE as u64,
         MAX_WORKERS as u64,
@@ -545,6 +558,67 @@ impl<'a> Region<'a> {
         out
     }
 
+    fn tenant_word(&self, p: usize, k: usize, grants: bool) -> &'a AtomicU64 {
+        let base = self.pool_base(p) + LINE * (1 + MAX_WORKERS + MAX_SLOTS);
+        &self.words[base + 2 * k + usize::from(grants)]
+    }
+
+    /// The tenant table's entry of `tenant` in pool `p` (claimed if new; the last entry is
+    /// shared by every tenant past the table's size).
+    pub fn tenant_slot(&self, p: usize, tenant: u32) -> usize {
+        let id = u64::from(tenant) + 1;
+        claim(|k| self.tenant_word(p, k, false), MAX_TENANTS - 1, id).unwrap_or(MAX_TENANTS - 1)
+    }
+
+    /// Grants to the tenant of table entry `k`, by every worker (SPEC §12 fair share).
+    pub fn tenant_grants(&self, p: usize, k: usize) -> u64 {
+        self.tenant_word(p, k, true).load(Acquire)
+    }
+
+    /// A grant to table entry `k`'s tenant; the pool's virtual time follows the highest count.
+    pub fn count_tenant_grant(&self, p: usize, k: usize) {
+        let n = self.tenant_word(p, k, true).fetch_add(1, AcqRel) + 1;
+        self.pool_word(p, P_VIRTUAL_TIME).fetch_max(n, AcqRel);
+    }
+
+    /// A request of entry `k`'s tenant starts waiting: a tenant that was idle starts at the
+    /// pool's virtual time (start-time fair queuing), so it neither banks credit while idle
+    /// nor pays for service long past.
+    pub fn tenant_waits(&self, p: usize, k: usize) {
+        let vt = self.pool_word(p, P_VIRTUAL_TIME).load(Acquire);
+        self.tenant_word(p, k, true)
+            .fetch_max(vt.saturating_sub(1), AcqRel);
+    }
+
+    /// Worker `w`'s next turn per class: (tenant table entry, its head's arrival).
+    pub fn publish_turns(
+        &self,
+        p: usize,
+        w: usize,
+        high: Option<(usize, Millis)>,
+        low: Option<(usize, Millis)>,
+    ) {
+        let enc = |t: Option<(usize, Millis)>| t.map_or((0, 0), |(k, at)| (k as u64 + 1, at + 1));
+        let (h, h_at) = enc(high);
+        let (l, l_at) = enc(low);
+        self.summary_word(p, w, S_TURN_HIGH_AT).store(h_at, Relaxed);
+        self.summary_word(p, w, S_TURN_LOW_AT).store(l_at, Relaxed);
+        self.summary_word(p, w, S_TURN_HIGH).store(h, Release);
+        self.summary_word(p, w, S_TURN_LOW).store(l, Release);
+    }
+
+    /// Worker `w`'s next turn in `class` (`high`: true), if it has one.
+    pub fn turn(&self, p: usize, w: usize, high: bool) -> Option<(usize, Millis)> {
+        let (k, at) = if high {
+            (S_TURN_HIGH, S_TURN_HIGH_AT)
+        } else {
+            (S_TURN_LOW, S_TURN_LOW_AT)
+        };
+        let slot = self.summary_word(p, w, k).load(Acquire).checked_sub(1)?;
+        let at = dec_time(self.summary_word(p, w, at).load(Relaxed))?;
+        Some((slot as usize, at))
+    }
+
     pub fn selector(&self, p: usize) -> SharedSelector {
         let v = self.pool_word(p, P_SELECTOR).load(Acquire);
         SharedSelector {
@@ -624,6 +698,7 @@ impl<'a> Region<'a> {
                 clear(self.slot_word(p, s, I_TRIALS), w, self.bits);
             }
             self.publish_waiting(p, w, 0, 0, None, None);
+            self.publish_turns(p, w, None, None);
         }
         state.store((cur >> 8) << 8 | WORKER_FREE, Release);
         units
