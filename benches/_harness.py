@@ -154,10 +154,11 @@ def run_wrk(
     *,
     headers: dict[str, str] | None = None,
     pid: int | None = None,
+    core: str | None = "1",
 ) -> WrkResult:
     """POSTs the JSON `body` to `url` for `duration` seconds over `conns` connections (wrk, one
-    thread, pinned to core 1), measuring `pid`'s CPU time meanwhile. Raises `RuntimeError`
-    when any answer was not 2xx."""
+    thread, pinned to CPU `core`; `None`: not pinned), measuring `pid`'s CPU time meanwhile.
+    Raises `RuntimeError` when any answer was not 2xx."""
     lines = ['wrk.method = "POST"', f'wrk.body = "{_lua_string(body)}"']
     for name, value in {"Content-Type": "application/json", **(headers or {})}.items():
         lines.append(f'wrk.headers["{name}"] = "{_lua_string(value)}"')
@@ -167,7 +168,12 @@ def run_wrk(
     cpu0 = cpu_seconds(pid) if pid else 0.0
     try:
         out = subprocess.run(
-            pinned("1", [*cmd, "-s", script.name, url]), capture_output=True, text=True, check=True
+            pinned(core, [*cmd, "-s", script.name, url])
+            if core
+            else [*cmd, "-s", script.name, url],
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
     finally:
         os.unlink(script.name)
