@@ -400,12 +400,13 @@ impl<'a> Region<'a> {
 
     /// The pool slot of pool `id` (a stable hash of its name, nonzero), claimed if new.
     pub fn pool_slot(&self, id: u64) -> Option<usize> {
-        claim(|p| self.pool_word(p, P_ID), MAX_POOLS, id.max(1))
+        claim(|p| self.pool_word(p, P_ID), MAX_POOLS, id.saturating_add(1))
     }
 
-    /// The slot of instance `id` in pool slot `p`, claimed if new.
+    /// The slot of instance `id` in pool slot `p`, claimed if new (ids 0 and 1 are distinct:
+    /// a cell holds the id + 1, 0 being empty).
     pub fn instance_slot(&self, p: usize, id: u64) -> Option<usize> {
-        claim(|s| self.slot_word(p, s, I_ID), MAX_SLOTS, id.max(1))
+        claim(|s| self.slot_word(p, s, I_ID), MAX_SLOTS, id.saturating_add(1))
     }
 
     pub fn lease(&self, p: usize, s: usize) -> &'a AtomicU64 {
@@ -791,6 +792,7 @@ mod tests {
         let p = r.pool_slot(77).unwrap();
         assert_eq!(r.pool_slot(77), Some(p));
         assert_ne!(r.pool_slot(78), Some(p));
+        assert_ne!(r.instance_slot(p, 0), r.instance_slot(p, 1), "ids 0 and 1 are two");
         let a = r.instance_slot(p, 5).unwrap();
         let b = r.instance_slot(p, 6).unwrap();
         assert_ne!(a, b);
