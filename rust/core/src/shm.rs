@@ -406,7 +406,11 @@ impl<'a> Region<'a> {
     /// The slot of instance `id` in pool slot `p`, claimed if new (ids 0 and 1 are distinct:
     /// a cell holds the id + 1, 0 being empty).
     pub fn instance_slot(&self, p: usize, id: u64) -> Option<usize> {
-        claim(|s| self.slot_word(p, s, I_ID), MAX_SLOTS, id.saturating_add(1))
+        claim(
+            |s| self.slot_word(p, s, I_ID),
+            MAX_SLOTS,
+            id.saturating_add(1),
+        )
     }
 
     pub fn lease(&self, p: usize, s: usize) -> &'a AtomicU64 {
@@ -792,7 +796,11 @@ mod tests {
         let p = r.pool_slot(77).unwrap();
         assert_eq!(r.pool_slot(77), Some(p));
         assert_ne!(r.pool_slot(78), Some(p));
-        assert_ne!(r.instance_slot(p, 0), r.instance_slot(p, 1), "ids 0 and 1 are two");
+        assert_ne!(
+            r.instance_slot(p, 0),
+            r.instance_slot(p, 1),
+            "ids 0 and 1 are two"
+        );
         let a = r.instance_slot(p, 5).unwrap();
         let b = r.instance_slot(p, 6).unwrap();
         assert_ne!(a, b);
