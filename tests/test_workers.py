@@ -398,9 +398,19 @@ async def test_metrics_from_any_worker_count_the_whole_gateway(
         results = await asyncio.gather(*(gw.chat() for _ in range(30)))
         assert [r.status for r in results] == [200] * 30
         line = 'gateway_requests_total{code="200",pool="p",priority="high"}'
+        await asyncio.sleep(1.5)  # each worker's snapshot for the others is at most 1 s old
         for _ in range(12):  # fresh connections: several workers answer
             async with gw.session.get(gw.url + "/metrics") as r:
                 text = await r.text()
             values = [x.split()[-1] for x in text.splitlines() if x.startswith(line)]
             assert values == ["30.0"], values
             assert 'gateway_instance_in_flight{instance="i0",pool="p"} 0.0' in text
+        # A worker killed and replaced: what it counted stays in the totals (no going back).
+        os.kill(gw.pids()[0], signal.SIGKILL)
+        await gw.until(lambda d: len(gw.pids()) == 3)
+        await asyncio.sleep(1.5)
+        for _ in range(6):
+            async with gw.session.get(gw.url + "/metrics") as r:
+                text = await r.text()
+            values = [x.split()[-1] for x in text.splitlines() if x.startswith(line)]
+            assert values == ["30.0"], values

@@ -16,18 +16,23 @@ answers to a scraper that asks for `application/openmetrics-text` (Prometheus do
 exemplar storage is on). The classic text format has no exemplars and stays the default.
 
 SPEC §12 (`--workers N`): every worker answers `/metrics` for the whole gateway. The state
-gauges already do (each worker reads the shared region); counters and histograms use
-prometheus-client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`, set by the supervisor: each
-process writes its values to its own mmap'd file and a scrape sums them all — a dead worker's
-counts stay in the totals, so counters never go backwards). That mode has no exemplars.
+gauges already do (each worker reads the shared region). Counters and histograms stay
+in-process on the request path (no cost per request: prometheus-client's multiprocess mode was
+measured at +6-12 µs per request, and has no exemplars); each worker writes a snapshot of its
+own to the supervisor's metrics directory every second and before each scrape it answers, and a
+scrape sums this worker's live values with every other worker's latest snapshot. A dead
+worker's snapshot stays, so its counts stay in the totals and counters never go backwards; a
+gauge is read from live workers only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -36,7 +41,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 
@@ -47,9 +52,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CONTENT_TYPE", "OPENMETRICS_CONTENT_TYPE", "Metrics"]
 
-#: SPEC §12: the values of every worker process are summed at scrape time (read once, at import,
-#: as prometheus-client itself does).
-MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+#: SPEC §12: where the workers' snapshots live (set by the supervisor; None: one process).
+SHARE_DIR = os.environ.get("GATEWAY_METRICS_DIR") or None
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OPENMETRICS_CONTENT_TYPE = openmetrics.CONTENT_TYPE_LATEST
@@ -174,7 +178,12 @@ class Metrics:
     """The gateway's metrics in their own registry (one per gateway, so tests can run many)."""
 
     def __init__(self, runtime: Callable[[], Runtime]) -> None:
-        r = self.registry = CollectorRegistry(auto_describe=False)
+        # What this process counts (snapshotted for the other workers), and what a scrape
+        # reads: that plus the live state collectors.
+        r = self._own = CollectorRegistry(auto_describe=False)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._share = _Shared(r, SHARE_DIR) if SHARE_DIR is not None else None
+        self.registry.register(self._share if self._share is not None else r)
         self.requests = Counter(
             "gateway_requests",
             "Requests answered, per pool, class and HTTP status",
@@ -224,23 +233,15 @@ class Metrics:
             "gateway_config_last_reload_success",
             "1 if the last config (re)load succeeded",
             registry=r,
-            multiprocess_mode="livemin",
         )
         self.last_reload_success.set(1)
         self.last_reload_time = Gauge(
             "gateway_config_last_reload_success_timestamp_seconds",
             "When the running config was loaded",
             registry=r,
-            multiprocess_mode="livemax",
         )
         self.last_reload_time.set_to_current_time()
-        build = Gauge(
-            "gateway_build_info",
-            "Build information",
-            ["version"],
-            registry=r,
-            multiprocess_mode="livemax",
-        )
+        build = Gauge("gateway_build_info", "Build information", ["version"], registry=r)
         build.labels(__version__).set(1)
         # SPEC §14: Batch API lines finished (output or error file) and line-level retries.
         self.batch_lines = Counter(
@@ -258,12 +259,9 @@ class Metrics:
             self.rejections.labels(reason)
         for result in ("completed", "failed"):
             self.batch_lines.labels(result)
-        # Collectors that read live state at scrape time (the same in every worker).
-        self._live: list[Collector] = [_CoreCollector(runtime)]
-        r.register(self._live[0])
+        # Read at scrape time from the shared region: already the whole gateway's.
+        self.registry.register(_CoreCollector(runtime))
         self._children: dict[tuple[Any, ...], Any] = {}
-        self._batch_gauge: Gauge | None = None
-        self._batch_counts: Callable[[], Mapping[str, int]] | None = None
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), *labels)
@@ -319,26 +317,13 @@ class Metrics:
 
     def watch_batches(self, counts: Callable[[], Mapping[str, int]]) -> None:
         """Exposes `gateway_batches{status}` from `counts()` (read at scrape time; with
-        workers, a gauge the Batch API's worker keeps current: see `batches_changed`)."""
-        if MULTIPROCESS:
-            self._batch_counts = counts
-            self._batch_gauge = Gauge(
-                "gateway_batches",
-                "Batch API batches per status",
-                ["status"],
-                registry=self.registry,
-                multiprocess_mode="livesum",
-            )
-            return
-        collector = _BatchCollector(counts)
-        self._live.append(collector)
-        self.registry.register(collector)
+        workers, from the Batch API's worker: the others count none)."""
+        self._own.register(_BatchCollector(counts))
 
-    def batches_changed(self) -> None:
-        """A batch changed status (only workers keep a gauge; one process reads at scrape)."""
-        if self._batch_gauge is not None and self._batch_counts is not None:
-            for status, n in self._batch_counts().items():
-                self._child(self._batch_gauge, status).set(n)
+    def flush(self) -> None:
+        """SPEC §12: writes this worker's snapshot for the others' scrapes (no-op alone)."""
+        if self._share is not None:
+            self._share.flush()
 
     def batch_line_done(self, ok: bool) -> None:
         self._child(self.batch_lines, "completed" if ok else "failed").inc()
@@ -353,15 +338,8 @@ class Metrics:
             self.last_reload_time.set_to_current_time()
 
     def _scraped(self) -> CollectorRegistry:
-        """What a scrape reads: this registry, or with workers every process's values summed
-        plus this worker's live collectors (which already see the whole gateway)."""
-        if not MULTIPROCESS:
-            return self.registry
-        registry = CollectorRegistry(auto_describe=False)
-        MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
-        for collector in self._live:
-            registry.register(collector)
-        return registry
+        self.flush()  # what this scrape shows is never newer than the snapshot the others read
+        return self.registry
 
     def render(self) -> bytes:
         """The classic Prometheus text format (0.0.4)."""
@@ -377,6 +355,101 @@ class Metrics:
                 if media.strip().lower() == "application/openmetrics-text" and not _q_zero(params):
                     return _openmetrics_latest(self._scraped()), OPENMETRICS_CONTENT_TYPE
         return generate_latest(self._scraped()), CONTENT_TYPE
+
+
+class _Shared(Collector):
+    """SPEC §12: this worker's own metrics summed with every other worker's latest snapshot."""
+
+    def __init__(self, own: CollectorRegistry, directory: str) -> None:
+        self._own = own
+        self._dir = directory
+        self._pid = os.getpid()
+        self._path = os.path.join(directory, f"{self._pid}.json")
+
+    def flush(self) -> None:
+        doc = [
+            [m.name, m.type, m.documentation, [[s.name, s.labels, s.value] for s in m.samples]]
+            for m in self._own.collect()
+        ]
+        tmp = self._path + ".tmp"
+        with contextlib.suppress(OSError):  # a full disk costs the others' view, not a request
+            with open(tmp, "wb") as f:
+                f.write(orjson.dumps(doc))
+            os.replace(tmp, self._path)
+
+    def _peers(self) -> Iterator[tuple[bool, list[Any]]]:
+        """(alive, snapshot) of every other worker process that ever wrote one."""
+        try:
+            names = os.listdir(self._dir)
+        except OSError:
+            return
+        for name in names:
+            pid_text, _, ext = name.partition(".")
+            if ext != "json" or not pid_text.isdigit() or int(pid_text) == self._pid:
+                continue
+            try:
+                with open(os.path.join(self._dir, name), "rb") as f:
+                    doc = orjson.loads(f.read())
+            except (OSError, orjson.JSONDecodeError):
+                continue
+            yield _alive(int(pid_text)), doc
+
+    def collect(self) -> Iterator[Metric]:
+        own = list(self._own.collect())
+        merged = {m.name: m for m in own}
+        values: dict[tuple[str, str, tuple[tuple[str, str], ...]], float] = {}
+        for m in own:
+            for s in m.samples:
+                values[(m.name, s.name, tuple(sorted(s.labels.items())))] = s.value
+        for alive, doc in self._peers():
+            for name, typ, doc_text, samples in doc:
+                if name not in merged:
+                    merged[name] = Metric(name, doc_text, typ)
+                gauge = typ == "gauge"
+                if gauge and not alive:
+                    continue  # a dead worker's gauge says nothing of now
+                for sname, labels, value in samples:
+                    key = (name, sname, tuple(sorted(labels.items())))
+                    _combine(values, key, value, gauge or sname.endswith("_created"))
+        for name, metric in merged.items():
+            out = Metric(name, metric.documentation, metric.type)
+            exemplars = {
+                (s.name, tuple(sorted(s.labels.items()))): s.exemplar for s in metric.samples
+            }
+            for (fam, sname, labels), value in values.items():
+                if fam == name:
+                    out.add_sample(
+                        sname, dict(labels), value, exemplar=exemplars.get((sname, labels))
+                    )
+            yield out
+
+
+def _combine(
+    values: dict[tuple[str, str, tuple[tuple[str, str], ...]], float],
+    key: tuple[str, str, tuple[tuple[str, str], ...]],
+    value: float,
+    pick: bool,
+) -> None:
+    """Counters and histograms add up; a gauge takes the highest, a `_created` the earliest."""
+    old = values.get(key)
+    if old is None:
+        values[key] = value
+    elif not pick:
+        values[key] = old + value
+    elif key[1].endswith("_created"):
+        values[key] = min(old, value)
+    else:
+        values[key] = max(old, value)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _q_zero(params: str) -> bool:

@@ -42,6 +42,7 @@ log = logging.getLogger("gateway")
 
 _JANITOR_INTERVAL_S = 5.0
 _WATCH_INTERVAL_S = 1.0
+_METRICS_FLUSH_TICKS = 100  # every second at the 10 ms tick
 
 
 class Server:
@@ -183,6 +184,7 @@ class Server:
             await self.cluster.close()  # gives the leases back at once (SPEC §13)
         if self._runner is not None:
             await self._runner.cleanup()
+        self.gateway.metrics.flush()  # the last counts of this worker stay in the totals
         await self.gateway.close()
         log.info("stopped")
 
@@ -194,10 +196,14 @@ class Server:
     async def _worker_tick(self, worker: WorkerLink) -> None:
         """SPEC §12: the heartbeat the supervisor watches for hangs, and a look at the shared
         state every tick — the net under a wake-up that raced (bounded to one tick)."""
+        ticks = 0
         while True:
             worker.heartbeat(now_ms())
             try:
                 self._kick()
+                ticks += 1
+                if ticks % _METRICS_FLUSH_TICKS == 0:
+                    self.gateway.metrics.flush()  # the others' scrapes see this worker's counts
             except Exception:
                 log.exception("worker tick failed")
             await asyncio.sleep(TICK_S)

@@ -42,8 +42,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from prometheus_client import multiprocess
-
 from gateway import _core
 
 __all__ = ["HANG_MS", "TICK_S", "Supervisor", "WorkerLink", "link", "resolve_workers"]
@@ -208,7 +206,7 @@ class Supervisor:
         self.reclaimed = 0
         self._dir = tempfile.mkdtemp(prefix="gateway-workers-")
         self.batch_socket = os.path.join(self._dir, "batch.sock")
-        # SPEC §12 /metrics of the whole gateway: prometheus-client's multiprocess mode.
+        # SPEC §12 /metrics of the whole gateway: each worker's snapshot (gateway.metrics).
         self.metrics_dir = os.path.join(self._dir, "metrics")
         os.mkdir(self.metrics_dir)
 
@@ -230,7 +228,7 @@ class Supervisor:
         env = dict(os.environ)
         env[_ENV] = f"{slot.index}:{slot.incarnation}:{self._shm}:{os.getpid()}:{fds}"
         env[_BATCH_ENV] = self.batch_socket
-        env["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir
+        env["GATEWAY_METRICS_DIR"] = self.metrics_dir
         argv = [sys.executable, "-m", "gateway.cli", *self.argv, "--port", str(self.port)]
         proc = subprocess.Popen(argv, env=env, pass_fds=(self._shm, *self._wake))
         slot.proc = proc
@@ -255,8 +253,6 @@ class Supervisor:
         assert proc is not None
         code = proc.wait()  # reaped: fenced, it writes nothing more
         slot.proc = None
-        # Its live gauges leave the scrape; its counters stay in the totals.
-        multiprocess.mark_process_dead(proc.pid, self.metrics_dir)  # type: ignore[no-untyped-call]
         units = self.region.reclaim(slot.index)
         self.reclaimed += units
         for fd in self._wake:  # the reclaimed units may serve someone waiting elsewhere

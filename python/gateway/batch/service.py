@@ -117,7 +117,6 @@ class BatchService:
         if old:
             self.counts[old] = self.counts.get(old, 0) - 1
         self.counts[new] = self.counts.get(new, 0) + 1
-        self.gw.metrics.batches_changed()
 
     def submit(self, row: BatchRow) -> None:
         self.transition("", row.status)
