@@ -201,6 +201,19 @@ impl Breaker {
         self.enter_ejection(until);
     }
 
+    /// SPEC §12: the consecutive failures every worker saw; the threshold applies to them.
+    pub fn shared_failures(&mut self, cfg: &HealthConfig, n: u64, now: Millis) {
+        if self.state != InstanceState::Healthy {
+            return;
+        }
+        self.consecutive_failures = self
+            .consecutive_failures
+            .max(n.min(u64::from(u32::MAX)) as u32);
+        if self.consecutive_failures >= cfg.failure_threshold {
+            self.eject(cfg, now);
+        }
+    }
+
     fn count_failure(&mut self, cfg: &HealthConfig, now: Millis) {
         self.consecutive_failures += 1;
         // SPEC §6: "After failure_threshold consecutive failures the instance is ejected".

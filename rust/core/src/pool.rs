@@ -615,8 +615,18 @@ impl Pool {
         );
         inst.in_flight -= 1;
         let before = inst.breaker.state();
+        let current = epoch == inst.breaker.epoch();
         inst.breaker
             .on_outcome(&self.cfg.health, outcome, epoch, trial, now);
+        if let Some(shared) = &self.shared {
+            // SPEC §12: the failure threshold counts every worker's attempts.
+            if current && before == InstanceState::Healthy && outcome != Outcome::Neutral {
+                let n = shared.outcome(instance as usize, outcome == Outcome::Failure);
+                if n > 0 {
+                    inst.breaker.shared_failures(&self.cfg.health, n, now);
+                }
+            }
+        }
         if retry_after_ms > 0 {
             // SPEC §16: "an upstream `Retry-After` is clamped to `health.max_ejection_ms`": an
             // upstream cannot take itself out for longer than the gateway would eject it.

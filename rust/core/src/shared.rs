@@ -186,8 +186,21 @@ impl Shared {
                     self.published_until[k] = until;
                     let (gen, _) = r.publish_ejection(p, self.slots[k], until);
                     self.seen_ejection[k] = gen; // our own: not adopted again
+                    r.reset_failures(p, self.slots[k]);
                 }
             }
+        }
+    }
+
+    /// An attempt's outcome on a healthy instance, counted across workers: the consecutive
+    /// failures now (0 after a success).
+    pub fn outcome(&self, idx: usize, failed: bool) -> u64 {
+        let s = self.slots[idx];
+        if failed {
+            self.region.count_failure(self.pool, s)
+        } else {
+            self.region.reset_failures(self.pool, s);
+            0
         }
     }
 

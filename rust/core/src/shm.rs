@@ -86,6 +86,7 @@ const I_HEALTH: usize = 2; // generation << 48 | ejected_until (ms, 48 bits)
 const I_PROBE: usize = 3; // sequence << 1 | ok
 const I_PROBE_CLAIM: usize = 4; // when the latest probe was claimed, ms + 1
 const I_TRIALS: usize = 5; // half-open trial permits, one field per worker (lease layout)
+const I_FAILURES: usize = 6; // consecutive failed attempts, by any worker
 
 // The tenant table: per entry two words (tenant + 1, grants), eight entries a line.
 const TENANT_LINES: usize = MAX_TENANTS * 2 / LINE;
@@ -105,7 +106,7 @@ pub const WORKER_RECLAIMING: u64 = 2;
 /// FNV-1a over the layout's constants: two builds agree on it only if they agree on where
 /// every word is. A worker built from other sources refuses to attach.
 pub const ABI_HASH: u64 = {
-    let parts: [u64; 16] = [
+    let parts: [u64; 17] = [
         MAX_TENANTS as u64,
         S_TURN_LOW_AT as u64,
         LAYOUT_VERSION,
@@ -120,6 +121,7 @@ pub const ABI_HASH: u64 = {
         I_HEALTH as u64,
         I_PROBE as u64,
         I_TRIALS as u64,
+        I_FAILURES as u64,
         REGION_WORDS as u64,
         W_HEARTBEAT as u64,
     ];
@@ -469,6 +471,16 @@ impl<'a> Region<'a> {
                 Err(now) => cur = now,
             }
         }
+    }
+
+    /// A failed attempt on instance slot `s`, by any worker: the consecutive count now.
+    pub fn count_failure(&self, p: usize, s: usize) -> u64 {
+        self.slot_word(p, s, I_FAILURES).fetch_add(1, AcqRel) + 1
+    }
+
+    /// A successful attempt (or a new ejection): the consecutive count starts again.
+    pub fn reset_failures(&self, p: usize, s: usize) {
+        self.slot_word(p, s, I_FAILURES).store(0, Release);
     }
 
     /// (generation, until) of the latest ejection any worker published.

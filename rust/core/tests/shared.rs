@@ -380,3 +380,33 @@ fn tenants_share_fairly_across_workers() {
     assert_eq!(&order[..10], &[2, 1, 2, 1, 2, 1, 2, 1, 2, 1], "{order:?}");
     assert_eq!(order.len(), 24);
 }
+
+#[test]
+fn the_failure_threshold_counts_every_workers_attempts() {
+    let r = region(2);
+    let cfg = PoolConfig {
+        health: HealthConfig {
+            failure_threshold: 2,
+            probing: false,
+            ..HealthConfig::default()
+        },
+        ..PoolConfig::default()
+    };
+    let mut a = worker(r, 0, &[4, 4], cfg.clone());
+    let mut b = worker(r, 1, &[4, 4], cfg);
+    assert_eq!(
+        a.submit(1, Priority::High, 0, 0, 0, 0),
+        Ok(Admit::Granted(0))
+    );
+    assert_eq!(
+        b.submit(1, Priority::High, 0, 1 << 1, 0, 0),
+        Ok(Admit::Granted(0))
+    );
+    a.release(1, Outcome::Failure, 0, 1).unwrap();
+    assert_eq!(a.instance_state(0, 1), Ok(InstanceState::Healthy));
+    // one failure each, two in a row for the instance: b's ejects it, and a adopts it
+    b.release(1, Outcome::Failure, 0, 2).unwrap();
+    assert_eq!(b.instance_state(0, 2), Ok(InstanceState::Ejected));
+    a.tick(3);
+    assert_eq!(a.instance_state(0, 3), Ok(InstanceState::Ejected));
+}
