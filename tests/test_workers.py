@@ -293,9 +293,9 @@ async def test_sigterm_to_the_supervisor_drains_every_worker(
 
 async def test_kill_9_of_workers_under_load(tmp_path: Path, mocks: MockFactory) -> None:
     m = await mocks(latency_ms=40)
-    async with workers(tmp_path, 3, _instances((m, 4))) as gw:
+    async with workers(tmp_path, 4, _instances((m, 4))) as gw:
         outcomes: dict[str, int] = {}
-        stop = time.monotonic() + 12
+        stop = time.monotonic() + 30  # a kill every second for 30 s (issue 12)
 
         async def client() -> None:
             while time.monotonic() < stop:
@@ -318,12 +318,13 @@ async def test_kill_9_of_workers_under_load(tmp_path: Path, mocks: MockFactory) 
                 if pids:
                     os.kill(random.choice(pids), signal.SIGKILL)
                     kills += 1
-            assert kills >= 8
+            assert kills >= 25
 
         await asyncio.gather(*(client() for _ in range(8)), killer())
+        print("outcomes under kill -9:", outcomes)
         assert outcomes.get("200", 0) > 100, outcomes
         # Every slot respawned, and nothing the dead held is counted any more.
-        await gw.until(lambda d: len(gw.pids()) == 3, within=10)
+        await gw.until(lambda d: len(gw.pids()) == 4, within=10)
         await gw.assert_quiet()
         answered = {(await gw.state())["worker"] for _ in range(40)}
         assert len(answered) >= 2
