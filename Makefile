@@ -8,7 +8,7 @@ EXT_STAMP := $(VENV)/.ext-built
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml 2>/dev/null) Cargo.toml
 
 .DEFAULT_GOAL := help
-.PHONY: help install build-dev format lint typecheck test test-rust test-python bench bench-compare demo wheel clean
+.PHONY: help install build-dev format lint typecheck test test-rust test-python miri bench bench-compare demo wheel clean
 
 help: ## show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -51,6 +51,10 @@ test-rust: ## cargo test of the pure core (never links libpython), and its loom 
 	cargo test --workspace --exclude gateway-py
 	@# SPEC §12: every interleaving of the shared region's protocols, a worker killed at each step
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p gateway-core --test loom_shm --release
+
+miri: ## Miri over the workers' shared region (needs `rustup +nightly component add miri rust-src`)
+	MIRIFLAGS=-Zmiri-ignore-leaks CARGO_TARGET_DIR=target/miri cargo +nightly miri test -p gateway-core --lib shm
+	MIRIFLAGS=-Zmiri-ignore-leaks CARGO_TARGET_DIR=target/miri cargo +nightly miri test -p gateway-core --test region_cast --test shared -- --skip random
 
 test-python: build-dev ## pytest: unit, integration over loopback, the official openai client
 	@# pytest exits 5 when it collects no test: that is not a failure of the code under test
