@@ -16,9 +16,24 @@ use crate::selector::Selector;
 use crate::shm::{PeerWaiting, Region};
 use crate::types::{InstanceState, Millis, Priority, Tenant};
 
-/// A deferral that has not been taken up for this long is stale: the peer cannot use the
-/// unit (its head is cooling there, or excluded), so this worker serves its own.
-const STALE_DEFER_MS: Millis = 10;
+/// A deferral is stale — the peer cannot use the unit (its head is cooling there, or excluded),
+/// so this worker serves its own — once the peer has looked at the pool since and its turn is
+/// unchanged, or after this long whatever it did (a peer that stopped is killed and reclaimed
+/// by the supervisor; meanwhile no unit waits longer than this for it).
+const STALE_DEFER_MS: Millis = 1000;
+
+/// A turn given up to another worker: which, what it had waiting then, and when.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Deferral {
+    class: Priority,
+    worker: usize,
+    /// Its turn (tenant entry, head arrival) and how many it had waiting in the class: a
+    /// grant there changes the count even when the next request looks the same.
+    turn: (usize, Millis, u64),
+    /// How many times it had looked at the pool.
+    looks: u64,
+    at: Millis,
+}
 
 #[derive(Debug)]
 pub struct Shared {
@@ -37,8 +52,8 @@ pub struct Shared {
     wakes: u64,
     /// Tenant table entries, cached (claiming scans the table).
     tenants: HashMap<Tenant, usize>,
-    /// The latest turn given up to a peer: (class, worker, its turn, when).
-    deferred: Option<(Priority, usize, (usize, Millis), Millis)>,
+    /// The latest turn given up to a peer.
+    deferred: Option<Deferral>,
 }
 
 impl Shared {
@@ -167,6 +182,7 @@ impl Shared {
         counts: (usize, usize),
         oldest: (Option<Millis>, Option<Millis>),
     ) {
+        self.region.looked(self.pool, self.worker);
         self.region.publish_waiting(
             self.pool,
             self.worker,
@@ -269,16 +285,27 @@ impl Shared {
                 }
             }
         }
-        let (w, turn) = best.1?;
+        let (w, (slot, head)) = best.1?;
+        let (high_n, low_n) = r.waiting_of(p, w);
+        let turn = (slot, head, if high { high_n } else { low_n });
+        let looks = r.looks(p, w);
         match self.deferred {
-            // Given up to the same turn a while ago and still there: the peer cannot take it.
-            Some((c, dw, dt, at))
-                if c == class && dw == w && dt == turn && now >= at + STALE_DEFER_MS =>
-            {
-                return None;
+            Some(d) if (d.class, d.worker, d.turn) == (class, w, turn) => {
+                if looks > d.looks || now >= d.at.saturating_add(STALE_DEFER_MS) {
+                    // It looked since (and saw the free unit) yet the same turn waits: it
+                    // cannot take it there. Serve our own.
+                    return None;
+                }
             }
-            Some((c, dw, dt, _)) if c == class && dw == w && dt == turn => {}
-            _ => self.deferred = Some((class, w, turn, now)),
+            _ => {
+                self.deferred = Some(Deferral {
+                    class,
+                    worker: w,
+                    turn,
+                    looks,
+                    at: now,
+                })
+            }
         }
         self.wakes |= 1 << w;
         Some(w)

@@ -78,6 +78,7 @@ const S_TURN_HIGH: usize = 3;
 const S_TURN_HIGH_AT: usize = 4;
 const S_TURN_LOW: usize = 5;
 const S_TURN_LOW_AT: usize = 6;
+const S_LOOKS: usize = 7; // how many times this worker looked at the pool (after each operation)
 
 // An instance slot's line.
 const I_ID: usize = 0;
@@ -106,9 +107,10 @@ pub const WORKER_RECLAIMING: u64 = 2;
 /// FNV-1a over the layout's constants: two builds agree on it only if they agree on where
 /// every word is. A worker built from other sources refuses to attach.
 pub const ABI_HASH: u64 = {
-    let parts: [u64; 17] = [
+    let parts: [u64; 18] = [
         MAX_TENANTS as u64,
         S_TURN_LOW_AT as u64,
+        S_LOOKS as u64,
         LAYOUT_VERSION,
         LINE as u64,
         MAX_WORKERS as u64,
@@ -622,6 +624,22 @@ impl<'a> Region<'a> {
         self.summary_word(p, w, S_TURN_LOW_AT).store(l_at, Relaxed);
         self.summary_word(p, w, S_TURN_HIGH).store(h, Release);
         self.summary_word(p, w, S_TURN_LOW).store(l, Release);
+    }
+
+    /// Worker `w` looked at pool `p` (after an operation: it saw what was free then).
+    pub fn looked(&self, p: usize, w: usize) {
+        self.summary_word(p, w, S_LOOKS).fetch_add(1, Release);
+    }
+
+    /// Worker `w`'s waiting requests in pool `p`: (high, low).
+    pub fn waiting_of(&self, p: usize, w: usize) -> (u64, u64) {
+        let counts = self.summary_word(p, w, S_COUNTS).load(Acquire);
+        (counts >> 32, counts & 0xffff_ffff)
+    }
+
+    /// How many times worker `w` looked at pool `p`.
+    pub fn looks(&self, p: usize, w: usize) -> u64 {
+        self.summary_word(p, w, S_LOOKS).load(Acquire)
     }
 
     /// Worker `w`'s next turn in `class` (`high`: true), if it has one.

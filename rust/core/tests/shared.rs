@@ -22,6 +22,18 @@ fn worker(r: Region<'static>, w: usize, caps: &[u32], cfg: PoolConfig) -> Pool {
     p
 }
 
+/// Two workers of one pool of two instances with four units each, with these health rules.
+fn two_workers(health: HealthConfig) -> (Region<'static>, Pool, Pool) {
+    let r = region(2);
+    let cfg = PoolConfig {
+        health,
+        ..PoolConfig::default()
+    };
+    let a = worker(r, 0, &[4, 4], cfg.clone());
+    let b = worker(r, 1, &[4, 4], cfg);
+    (r, a, b)
+}
+
 #[test]
 fn the_cap_holds_across_workers_and_least_connections_sees_them_all() {
     let r = region(2);
@@ -92,18 +104,12 @@ fn a_high_request_in_one_worker_overtakes_lows_waiting_in_another() {
 
 #[test]
 fn an_ejection_by_one_worker_holds_for_all_and_probes_are_shared() {
-    let r = region(2);
-    let cfg = PoolConfig {
-        health: HealthConfig {
-            failure_threshold: 1,
-            ejection_ms: 1000,
-            probing: true,
-            ..HealthConfig::default()
-        },
-        ..PoolConfig::default()
-    };
-    let mut a = worker(r, 0, &[4, 4], cfg.clone());
-    let mut b = worker(r, 1, &[4, 4], cfg);
+    let (_, mut a, mut b) = two_workers(HealthConfig {
+        failure_threshold: 1,
+        ejection_ms: 1000,
+        probing: true,
+        ..HealthConfig::default()
+    });
     assert_eq!(
         a.submit(1, Priority::High, 0, 0, 0, 0),
         Ok(Admit::Granted(0))
@@ -383,17 +389,11 @@ fn tenants_share_fairly_across_workers() {
 
 #[test]
 fn the_failure_threshold_counts_every_workers_attempts() {
-    let r = region(2);
-    let cfg = PoolConfig {
-        health: HealthConfig {
-            failure_threshold: 2,
-            probing: false,
-            ..HealthConfig::default()
-        },
-        ..PoolConfig::default()
-    };
-    let mut a = worker(r, 0, &[4, 4], cfg.clone());
-    let mut b = worker(r, 1, &[4, 4], cfg);
+    let (_, mut a, mut b) = two_workers(HealthConfig {
+        failure_threshold: 2,
+        probing: false,
+        ..HealthConfig::default()
+    });
     assert_eq!(
         a.submit(1, Priority::High, 0, 0, 0, 0),
         Ok(Admit::Granted(0))
