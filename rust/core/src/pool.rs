@@ -756,7 +756,9 @@ impl Pool {
                 break;
             };
             let first = choice.class();
-            if self.shared.is_some() && self.defers(first, now) {
+            if self.shared.is_some() && (!self.any_room(now) || self.defers(first, now)) {
+                // Nothing free (a deferral then would be given up for nothing), or the turn
+                // is another worker's.
                 break;
             }
             let Some((entry, (inst, placed), class)) = self
@@ -1154,12 +1156,7 @@ impl Pool {
             return;
         }
         self.publish_waiting();
-        let health = &self.cfg.health;
-        let free = offer
-            && self
-                .instances
-                .iter()
-                .any(|i| !i.removed && i.has_room() && i.breaker.admits(health, now));
+        let free = offer && self.any_room(now);
         let Some(shared) = self.shared.as_mut() else {
             return;
         };
@@ -1167,6 +1164,14 @@ impl Pool {
         if free {
             shared.offer();
         }
+    }
+
+    /// Whether some instance could take an attempt now (every worker's attempts counted).
+    fn any_room(&self, now: Millis) -> bool {
+        let health = &self.cfg.health;
+        self.instances
+            .iter()
+            .any(|i| !i.removed && i.has_room() && i.breaker.admits(health, now))
     }
 
     fn publish_waiting(&mut self) {

@@ -410,3 +410,55 @@ fn the_failure_threshold_counts_every_workers_attempts() {
     a.tick(3);
     assert_eq!(a.instance_state(0, 3), Ok(InstanceState::Ejected));
 }
+
+#[test]
+fn closed_loop_clients_on_two_workers_are_served_alike() {
+    // One unit; four clients per worker, each sending its next request to the same worker as
+    // soon as its answer arrives (keep-alive connections). The unit must go round both
+    // workers' queues in arrival order, not stay with the worker that frees it.
+    let r = region(2);
+    let mut pools: Vec<Pool> = (0..2)
+        .map(|w| worker(r, w, &[1], PoolConfig::default()))
+        .collect();
+    let (mut ticket, mut now) = (0u64, 0u64);
+    let mut owner = std::collections::HashMap::new();
+    let mut running = None;
+    let granted = |events: Vec<gateway_core::Event>, running: &mut Option<u64>| {
+        for e in events {
+            if let EventKind::Granted(_) = e.kind {
+                *running = Some(e.ticket);
+            }
+        }
+    };
+    for _ in 0..4 {
+        for (w, pool) in pools.iter_mut().enumerate() {
+            ticket += 1;
+            owner.insert(ticket, w);
+            if let Ok(Admit::Granted(_)) = pool.submit(ticket, Priority::High, 0, 0, 0, 0) {
+                running = Some(ticket);
+            }
+        }
+    }
+    let mut served = [0u32; 2];
+    for _ in 0..400 {
+        now += 3;
+        let t = running.take().expect("the unit is always in use");
+        let w = owner[&t];
+        served[w] += 1;
+        let events = pools[w].release(t, Outcome::Success, 0, now).unwrap();
+        granted(events, &mut running);
+        let wakes = pools[w].take_wakes();
+        for k in (0..2).filter(|k| wakes & (1 << k) != 0) {
+            let events = pools[k].tick(now);
+            granted(events, &mut running);
+        }
+        ticket += 1;
+        owner.insert(ticket, w);
+        pools[w]
+            .submit(ticket, Priority::High, 0, 0, 0, now)
+            .unwrap();
+        let events = pools[w].take_events();
+        granted(events, &mut running);
+    }
+    assert!(served[0].abs_diff(served[1]) <= 8, "{served:?}");
+}
