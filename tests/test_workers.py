@@ -415,3 +415,29 @@ async def test_metrics_from_any_worker_count_the_whole_gateway(
                 text = await r.text()
             values = [x.split()[-1] for x in text.splitlines() if x.startswith(line)]
             assert values == ["30.0"], values
+
+
+async def test_a_saturated_unit_goes_round_every_workers_clients(
+    tmp_path: Path, mocks: MockFactory
+) -> None:
+    """One unit, eight clients on keep-alive connections (so each stays with one worker): the
+    unit goes round all of them in turn, not only the clients of the worker that frees it."""
+    m = await mocks(latency_ms=5, latency_dist="fixed")
+    async with workers(tmp_path, 2, _instances((m, 1))) as gw:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        stop = time.monotonic() + 4
+        done: list[int] = []
+
+        async def client() -> None:
+            n = 0
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as own:
+                while time.monotonic() < stop:
+                    async with own.post(gw.url + "/v1/chat/completions", json=body) as r:
+                        await r.read()
+                        assert r.status == 200
+                    n += 1
+            done.append(n)
+
+        await asyncio.gather(*(client() for _ in range(8)))
+        assert min(done) >= max(done) // 2, done
+        await gw.assert_quiet()
