@@ -441,3 +441,35 @@ async def test_a_saturated_unit_goes_round_every_workers_clients(
         await asyncio.gather(*(client() for _ in range(8)))
         assert min(done) >= max(done) // 2, done
         await gw.assert_quiet()
+
+
+async def test_workers_that_cannot_start_stop_the_supervisor(tmp_path: Path) -> None:
+    """A worker dying before it ever listens, three times in a row: exit 1 with a reason, not
+    a restart loop nobody sees."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os, sys\nif os.environ.get('GATEWAY_WORKER'):\n    sys.exit(3)\n"
+    )
+    path = tmp_path / "gateway.yaml"
+    _write(
+        path,
+        _free_port(),
+        '      - {name: a, url: "http://127.0.0.1:9/v1", model: up, max_concurrency: 1}',
+    )
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = await asyncio.create_subprocess_exec(
+        *GATEWAY,
+        "serve",
+        "--config",
+        str(path),
+        "--workers",
+        "2",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 1
+    assert b"workers cannot start" in err
+    assert b"listening" not in out

@@ -55,6 +55,9 @@ HANG_MS = int(os.environ.get("GATEWAY_WORKER_HANG_MS", "10000"))
 TICK_S = 0.010
 #: A worker that dies sooner than this after its start is restarted after a pause (no spin).
 _CRASH_LOOP_S = 1.0
+#: A slot whose worker died this many times in a row before it ever listened: the gateway
+#: cannot start (bad environment, a port taken by another program); the supervisor gives up.
+_FAILED_STARTS = 3
 _ENV = "GATEWAY_WORKER"
 _BATCH_ENV = "GATEWAY_WORKER_BATCH_SOCKET"
 
@@ -178,6 +181,8 @@ class _Slot:
     proc: subprocess.Popen[bytes] | None = None
     pidfd: int = -1
     started: float = 0.0
+    #: Deaths in a row before this incarnation's first heartbeat.
+    failed_starts: int = 0
 
 
 class Supervisor:
@@ -204,6 +209,8 @@ class Supervisor:
         self.port = self._sock.getsockname()[1]
         self._done = asyncio.Event()
         self.reclaimed = 0
+        #: The workers could not start (the exit status is then 1).
+        self.failed = False
         self._dir = tempfile.mkdtemp(prefix="gateway-workers-")
         self.batch_socket = os.path.join(self._dir, "batch.sock")
         # SPEC §12 /metrics of the whole gateway: each worker's snapshot (gateway.metrics).
@@ -266,6 +273,18 @@ class Supervisor:
             "worker died",
             extra={"fields": {"worker": slot.index, "code": code, "reclaimed": units}},
         )
+        if self.region.worker(slot.index)[3] == 0:  # it never got as far as its first tick
+            slot.failed_starts += 1
+            if slot.failed_starts >= _FAILED_STARTS:
+                log.error(
+                    "workers cannot start: giving up",
+                    extra={"fields": {"worker": slot.index, "attempts": slot.failed_starts}},
+                )
+                self.failed = True
+                self.stop()
+                return
+        else:
+            slot.failed_starts = 0
         pause = _CRASH_LOOP_S if time.monotonic() - slot.started < _CRASH_LOOP_S else 0.0
         loop.call_later(pause, self._respawn, slot)
 
@@ -335,4 +354,4 @@ class Supervisor:
                 loop.remove_signal_handler(sig)
             self._sock.close()
             shutil.rmtree(self._dir, ignore_errors=True)
-        return 0
+        return 1 if self.failed else 0
