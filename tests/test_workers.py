@@ -473,3 +473,18 @@ async def test_workers_that_cannot_start_stop_the_supervisor(tmp_path: Path) -> 
     assert proc.returncode == 1
     assert b"workers cannot start" in err
     assert b"listening" not in out
+
+
+async def test_queue_capacity_bounds_every_workers_queue_together(
+    tmp_path: Path, mocks: MockFactory
+) -> None:
+    """SPEC §3 capacity is the pool's, not each worker's: 1 running + 3 queued, the rest 503."""
+    m = await mocks(latency_ms=1500, latency_dist="fixed")
+    extra = "scheduler: {high: {capacity: 3}, overflow_high_to_low: false}"
+    async with workers(tmp_path, 3, _instances((m, 1)), extra) as gw:
+        first = asyncio.create_task(gw.chat())
+        await gw.until(lambda d: d["pools"]["p"]["in_flight"] == 1)
+        rest = await asyncio.gather(*(gw.chat() for _ in range(11)))
+        statuses = sorted([(await first).status, *(r.status for r in rest)])
+        assert statuses == [200] * 4 + [503] * 8, statuses
+        await gw.assert_quiet()

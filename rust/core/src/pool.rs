@@ -514,11 +514,11 @@ impl Pool {
             }
         }
         // SPEC §3 "Overflow": a high request finding the high queue full spills into low.
-        let class = if self.queues[priority.index()].has_room() {
+        let class = if self.has_room(priority) {
             priority
         } else if priority == Priority::High
             && self.cfg.overflow_high_to_low
-            && self.queues[Priority::Low.index()].has_room()
+            && self.has_room(Priority::Low)
         {
             Priority::Low
         } else {
@@ -1163,6 +1163,16 @@ impl Pool {
         shared.publish_ejections(&self.instances);
         if free {
             shared.offer();
+        }
+    }
+
+    /// Whether `class`'s queue has room for one more. SPEC §12: with workers the capacity
+    /// bounds the union — a place is taken in the shared count before the entry goes in.
+    fn has_room(&mut self, class: Priority) -> bool {
+        let queue = &self.queues[class.index()];
+        match self.shared.as_mut() {
+            None => queue.has_room(),
+            Some(shared) => shared.take_place(class, queue.capacity),
         }
     }
 

@@ -138,6 +138,16 @@ impl Shared {
         changed
     }
 
+    /// A place in `class`'s queue, counted across workers against `capacity`.
+    pub fn take_place(&mut self, class: Priority, capacity: usize) -> bool {
+        self.region.take_place(
+            self.pool,
+            self.worker,
+            class == Priority::High,
+            capacity as u64,
+        )
+    }
+
     /// Takes a unit of instance `idx` (and, half-open, one of its global trial permits).
     pub fn take(&self, idx: usize, inst: &Instance, trial_permits: u32) -> bool {
         let (r, p, s, me) = (self.region, self.pool, self.slots[idx], self.worker);
@@ -183,6 +193,10 @@ impl Shared {
         oldest: (Option<Millis>, Option<Millis>),
     ) {
         self.region.looked(self.pool, self.worker);
+        // Places of entries that left (granted, cancelled, expired, evicted) go back.
+        let (r, p, me) = (self.region, self.pool, self.worker);
+        r.settle_places(p, me, true, counts.0 as u64);
+        r.settle_places(p, me, false, counts.1 as u64);
         self.region.publish_waiting(
             self.pool,
             self.worker,

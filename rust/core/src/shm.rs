@@ -68,6 +68,8 @@ const P_LAST_LOW: usize = 2; // the last low grant, ms + 1
 const P_GRANTED: usize = 3; // grants across workers (high)
 const P_GRANTED_LOW: usize = 4;
 const P_VIRTUAL_TIME: usize = 5; // the highest tenant grant count reached (fair share)
+const P_PLACES_HIGH: usize = 6; // queue places taken, one field per worker (lease layout)
+const P_PLACES_LOW: usize = 7;
 
 // A worker's summary line within a pool.
 const S_COUNTS: usize = 0; // high << 32 | low
@@ -107,10 +109,11 @@ pub const WORKER_RECLAIMING: u64 = 2;
 /// FNV-1a over the layout's constants: two builds agree on it only if they agree on where
 /// every word is. A worker built from other sources refuses to attach.
 pub const ABI_HASH: u64 = {
-    let parts: [u64; 18] = [
+    let parts: [u64; 19] = [
         MAX_TENANTS as u64,
         S_TURN_LOW_AT as u64,
         S_LOOKS as u64,
+        P_PLACES_LOW as u64,
         LAYOUT_VERSION,
         LINE as u64,
         MAX_WORKERS as u64,
@@ -631,6 +634,31 @@ impl<'a> Region<'a> {
         self.summary_word(p, w, S_LOOKS).fetch_add(1, Release);
     }
 
+    fn places(&self, p: usize, high: bool) -> &'a AtomicU64 {
+        self.pool_word(p, if high { P_PLACES_HIGH } else { P_PLACES_LOW })
+    }
+
+    /// SPEC §3 capacity over every worker's queue: a place for worker `w`, if fewer than
+    /// `capacity` are taken.
+    pub fn take_place(&self, p: usize, w: usize, high: bool, capacity: u64) -> bool {
+        take(self.places(p, high), w, self.bits, capacity)
+    }
+
+    /// Queue places taken by every worker.
+    pub fn places_taken(&self, p: usize, high: bool) -> u64 {
+        sum(self.places(p, high).load(Acquire), self.bits)
+    }
+
+    /// Gives back worker `w`'s places beyond the `live` entries it still has queued.
+    pub fn settle_places(&self, p: usize, w: usize, high: bool, live: u64) {
+        let word = self.places(p, high);
+        while field(word.load(Acquire), w, self.bits) > live {
+            if !give(word, w, self.bits) {
+                break;
+            }
+        }
+    }
+
     /// Worker `w`'s waiting requests in pool `p`: (high, low).
     pub fn waiting_of(&self, p: usize, w: usize) -> (u64, u64) {
         let counts = self.summary_word(p, w, S_COUNTS).load(Acquire);
@@ -734,6 +762,8 @@ impl<'a> Region<'a> {
             }
             self.publish_waiting(p, w, 0, 0, None, None);
             self.publish_turns(p, w, None, None);
+            clear(self.places(p, true), w, self.bits);
+            clear(self.places(p, false), w, self.bits);
         }
         state.store((cur >> 8) << 8 | WORKER_FREE, Release);
         units

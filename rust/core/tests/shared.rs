@@ -190,6 +190,15 @@ mod random_runs {
 
     const CAPS: [u32; 3] = [1, 2, 3];
 
+    /// Queues small enough that random runs fill them (SPEC §3 capacity over the union).
+    fn small_queues() -> PoolConfig {
+        PoolConfig {
+            high_capacity: 3,
+            low_capacity: 4,
+            ..PoolConfig::default()
+        }
+    }
+
     struct World {
         r: Region<'static>,
         pools: Vec<Pool>,
@@ -203,7 +212,7 @@ mod random_runs {
         fn new() -> Self {
             let r = region(3);
             let pools = (0..3)
-                .map(|w| worker(r, w, &CAPS, PoolConfig::default()))
+                .map(|w| worker(r, w, &CAPS, small_queues()))
                 .collect();
             Self {
                 r,
@@ -284,7 +293,7 @@ mod random_runs {
                 Op::Kill(w) => {
                     self.r.reclaim(w);
                     self.tickets.retain(|_, v| v.0 != w);
-                    self.pools[w] = worker(self.r, w, &CAPS, PoolConfig::default());
+                    self.pools[w] = worker(self.r, w, &CAPS, small_queues());
                     for k in 0..3 {
                         let events = self.pools[k].tick(self.now);
                         self.apply(k, events);
@@ -304,6 +313,14 @@ mod random_runs {
                     "the region counts exactly the live attempts"
                 );
                 assert!(held <= u64::from(cap), "instance {k} over its cap");
+            }
+            for (high, class) in [(true, Priority::High), (false, Priority::Low)] {
+                let queued: usize = self.pools.iter().map(|p| p.queued(class)).sum();
+                assert_eq!(
+                    self.r.places_taken(0, high),
+                    queued as u64,
+                    "queue places exact"
+                );
             }
         }
     }
