@@ -253,28 +253,36 @@ async def test_sighup_to_the_supervisor_reloads_every_worker(
             await asyncio.sleep(0.1)
 
 
+async def _serve_to_exit(
+    tmp_path: Path, port: int, env: dict[str, str] | None = None
+) -> tuple[int | None, bytes, bytes]:
+    """`serve --workers 2` of a one-instance config expected to exit: (status, stdout, stderr)."""
+    path = tmp_path / "gateway.yaml"
+    _write(
+        path, port, '      - {name: a, url: "http://127.0.0.1:9/v1", model: up, max_concurrency: 1}'
+    )
+    proc = await asyncio.create_subprocess_exec(
+        *GATEWAY,
+        "serve",
+        "--config",
+        str(path),
+        "--workers",
+        "2",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    return proc.returncode, out, err
+
+
 async def test_a_taken_port_is_a_clear_error(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        path = tmp_path / "gateway.yaml"
-        _write(
-            path,
-            port,
-            '      - {name: a, url: "http://127.0.0.1:9/v1", model: up, max_concurrency: 1}',
-        )
-        proc = await asyncio.create_subprocess_exec(
-            *GATEWAY,
-            "serve",
-            "--config",
-            str(path),
-            "--workers",
-            "2",
-            stderr=asyncio.subprocess.PIPE,
-        )
-        _, err = await asyncio.wait_for(proc.communicate(), 30)
-        assert proc.returncode == 1
+        code, _, err = await _serve_to_exit(tmp_path, port)
+        assert code == 1
         assert b"cannot listen on 127.0.0.1" in err and b"Traceback" not in err
 
 
@@ -451,26 +459,9 @@ async def test_workers_that_cannot_start_stop_the_supervisor(tmp_path: Path) -> 
     (site / "sitecustomize.py").write_text(
         "import os, sys\nif os.environ.get('GATEWAY_WORKER'):\n    sys.exit(3)\n"
     )
-    path = tmp_path / "gateway.yaml"
-    _write(
-        path,
-        _free_port(),
-        '      - {name: a, url: "http://127.0.0.1:9/v1", model: up, max_concurrency: 1}',
-    )
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = await asyncio.create_subprocess_exec(
-        *GATEWAY,
-        "serve",
-        "--config",
-        str(path),
-        "--workers",
-        "2",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 30)
-    assert proc.returncode == 1
+    code, out, err = await _serve_to_exit(tmp_path, _free_port(), env)
+    assert code == 1
     assert b"workers cannot start" in err
     assert b"listening" not in out
 
