@@ -1015,13 +1015,18 @@ def test_masked_hides_exactly_the_secret_fields() -> None:
         "models": ["a"],
         "routes": None,
     }
-    assert dict(masked(Auth(keys=[key], admin_key="a"))) == {"keys": [key], "admin_key": MASK}
+    assert dict(masked(Auth(keys=[key], admin_key="a", metrics_key="m"))) == {
+        "keys": [key],
+        "admin_key": MASK,
+        "metrics_key": MASK,
+        "public_metrics": False,
+    }
     # An unset secret shows as unset; a struct without secrets keeps the usual repr.
     assert dict(masked(Auth(keys=[])))["admin_key"] is None
     assert repr(Listen()) == "Listen(host='127.0.0.1', port=8080)"
     assert repr(Auth(keys=[key])) == (
         "Auth(keys=[ApiKey(key='***', name='n', priority=None, rpm=None, tpm=None, "
-        "models=['a'], routes=None)], admin_key=None)"
+        "models=['a'], routes=None)], admin_key=None, metrics_key=None, public_metrics=False)"
     )
 
 

@@ -318,6 +318,10 @@ class Auth(_Section, frozen=True, kw_only=True):
 
     keys: list[ApiKey]
     admin_key: Secret | None = None
+    # SPEC §9/§18: with auth on, `/metrics` asks for this key (or the admin key) as a bearer
+    # token; `public_metrics: true` is the explicit opt-out for a scraper on a private network.
+    metrics_key: Secret | None = None
+    public_metrics: bool = False
 
 
 class Affinity(_Section, frozen=True, kw_only=True):
@@ -346,8 +350,11 @@ class Limits(_Section, frozen=True, kw_only=True):
 
 
 class Shutdown(_Section, frozen=True, kw_only=True):
-    """SIGTERM drain deadline (SPEC §7)."""
+    """SIGTERM drain (SPEC §7): `/readyz` turns 503 while the listener keeps accepting and
+    serving for `drain_delay_ms` (load balancers take seconds to stop sending), then new
+    connections stop and in-flight and queued requests get `drain_timeout_ms` to finish."""
 
+    drain_delay_ms: NonNegativeMs = 5_000
     drain_timeout_ms: NonNegativeMs = 25_000
 
 
@@ -358,6 +365,12 @@ class Telemetry(_Section, frozen=True, kw_only=True):
     otlp_endpoint: str | None = None
     service_name: str | None = None
     sample_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 1.0
+    # A client's `traceparent` with the sampled flag decides only when this is true; by
+    # default `sample_ratio` rules (a client cannot make the gateway export its traces).
+    respect_client_sampling: bool = False
+    # OpenMetrics exemplars (trace ids on histogram buckets) carry other tenants' trace ids to
+    # whoever scrapes: off unless asked for.
+    exemplars: bool = False
 
 
 class Batch(_Section, frozen=True, kw_only=True):
