@@ -30,12 +30,14 @@ metrics reader, a bounded `poll()` and the RSS sampler.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import inspect
 import itertools
 import json
 import re
 import time
+import urllib.parse
 import uuid
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -830,7 +832,9 @@ def _echo_key(where: str = "500") -> Behaviour:
     body with status `where` (`400`, `401`, `404`, `429`, `500`, `503`), in a 200 error body
     (`200err`, `qianfan`), in a plain-text 500 (`text500`), in an SSE error event mid-stream
     (`sse_event`), as the first event (`sse_first`), split across two writes (`sse_split`),
-    JSON-escaped so only a decoder sees it (`escaped`), or in a response header (`header`)."""
+    JSON-escaped so only a decoder sees it (`escaped`), in a response header (`header`), or
+    encoded in a 400's message, which reaches the client (`base64` of `user:key`,
+    `urlencoded`)."""
 
     async def run(req: Request, conn: Conn) -> str:
         auth = req.authorization  # "Bearer sk-..."
@@ -868,6 +872,18 @@ def _echo_key(where: str = "500") -> Behaviour:
                 first + sep + b"X-Echo-Authorization: " + auth.encode() + b"\r\n" + rest
             )
             return action
+        if where in ("base64", "urlencoded"):
+            # the key encoded, as a proxy or an API's debug field quotes a header: base64 of
+            # `user:key` (the key at a byte offset inside the encoding), or URL-encoded
+            key = auth.removeprefix("Bearer ")
+            quoted = (
+                base64.b64encode(f"gw:{key}".encode()).decode()
+                if where == "base64"
+                else urllib.parse.quote(f"{key}/", safe="")
+            )
+            body = json.dumps({"error": {"message": f"bad credential {quoted}"}}).encode()
+            await conn.send(framed(400, body, reason="Err"))
+            return KEEP
         if where == "escaped":
             # the key with every '-' as \u002d: raw bytes never contain it, decoded JSON does
             hidden = msg.replace("-", "\\u002d")

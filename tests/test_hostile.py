@@ -11,11 +11,14 @@ flight, and no 500 counted in /metrics.
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import gc
 import json
 import logging
 import math
 import time
+import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -572,6 +575,32 @@ async def test_upstream_key_never_reaches_a_client_a_log_or_a_metric(
     for record in caplog.records:
         line = formatter.format(record) + repr(getattr(record, "fields", ""))
         assert UPSTREAM_KEY not in line, f"the key is in a log line: {line[:300]}"
+    await settle(gw)
+
+
+@pytest.mark.parametrize("where", ["base64", "urlencoded"])
+async def test_an_encoded_upstream_key_never_reaches_the_client(
+    hostile: HostileFactory, gateway_factory: GatewayFactory, where: str
+) -> None:
+    """SPEC §7: the key never appears in an error — not base64'd inside `user:key`, not
+    URL-encoded (an upstream's 400, which passes through, quoting the credential it got)."""
+    server = await hostile(("echo_key", {"where": where}))
+    gw = await gateway_factory(hostile_config(server))
+    ans = await _ask(gw, stream=False)
+    ans.check("4xx")
+    assert server.events["answered"] >= 1
+    forms = {
+        base64.b64encode(f"gw:{UPSTREAM_KEY}".encode()),
+        urllib.parse.quote(f"{UPSTREAM_KEY}/", safe="").encode(),
+    }
+    for text in _decoded_texts(ans):
+        assert "bad credential" in text, text  # the upstream's message itself still arrives
+        for word in text.replace('"', " ").split():
+            for form in forms:
+                assert form.decode()[4:-4] not in word, f"the key, encoded: {text[:300]}"
+            with contextlib.suppress(ValueError):
+                assert UPSTREAM_KEY.encode() not in base64.b64decode(word + "==")
+            assert UPSTREAM_KEY not in urllib.parse.unquote(word)
     await settle(gw)
 
 
