@@ -596,7 +596,10 @@ CASES: list[tuple[str, Mutation, str, str]] = [
     ("too many instances", _too_many, "pools.light.instances", "at most 64"),
     (
         "bad pool name",
-        lambda d: d["pools"].update({"heavy pool": d["pools"].pop("heavy")}),
+        _many(
+            lambda d: d["pools"].update({"heavy pool": d["pools"].pop("heavy")}),
+            _set("models.pro.pool", "heavy pool"),
+        ),
         "pools.heavy pool",
         "pool name",
     ),
@@ -759,12 +762,6 @@ CASES: list[tuple[str, Mutation, str, str]] = [
     ("alias bad route", _set("models.lite", {"route": "smart"}), "models.lite.route", "auto"),
     ("alias typo", _set("models.lite", {"pol": "light"}), "models.lite.pol", "did you mean `pool`"),
     (
-        "auto without routing",
-        _set("models.judge", {"route": "auto"}),
-        "routing.complexity.simple",
-        "models.judge",
-    ),
-    (
         "auto half routing",
         _many(_set("models.judge", {"route": "auto"}), _set("routing.complexity.simple", "light")),
         "routing.complexity.complex",
@@ -873,6 +870,7 @@ def test_validation_names_the_field(mutate: Mutation, path: str, fragment: str) 
     d = minimal()
     mutate(d)
     err = error(d)
+    assert err.errors == [err], err  # one mistake, one error: no noise from other rules
     assert err.path == path, err
     assert fragment in err.reason, err
     assert str(err) == f"{path}: {err.reason}"
@@ -1121,6 +1119,7 @@ def test_errors_never_contain_secrets(mutate: Mutation, path: str) -> None:
     d = minimal()
     mutate(d)
     err = error(d)
+    assert err.errors == [err], err
     assert err.path == path
     assert "CANARY" not in str(err)
     assert all("CANARY" not in str(a) for a in err.args)
@@ -1160,3 +1159,144 @@ def test_round_trip_through_builtins() -> None:
     data = msgspec.to_builtins(cfg)
     again = load(copy.deepcopy(data))
     assert again == cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Every error of a file in one run (SPEC §8, §18)
+
+
+def _paths(err: ConfigError) -> list[str]:
+    return [e.path for e in err.errors]
+
+
+def test_five_mistakes_in_five_sections_are_five_errors() -> None:
+    d = minimal()
+    d["scheduler"] = {"high": {"capacity": -5}}  # a negative capacity
+    d["pools"]["light"]["spil_to"] = "heavy"  # an unknown field in a pool
+    del d["pools"]["heavy"]["instances"][0]["url"]  # an instance without `url`
+    d["models"]["judge"] = {"pool": "hevy"}  # an alias naming a missing pool
+    d["balancer"] = "sticky"  # a bad balancer name
+    err = error(d)
+    assert sorted(_paths(err)) == sorted(
+        [
+            "scheduler.high.capacity",
+            "pools.light.spil_to",
+            "pools.heavy.instances[0].url",
+            "models.judge.pool",
+            "balancer",
+        ]
+    ), err
+    reasons = {e.path: e.reason for e in err.errors}
+    assert ">= 1" in reasons["scheduler.high.capacity"]
+    assert "did you mean `spill_to`" in reasons["pools.light.spil_to"]
+    assert "required" in reasons["pools.heavy.instances[0].url"]
+    assert "did you mean 'heavy'" in reasons["models.judge.pool"]
+    assert "least_connections" in reasons["balancer"]
+    # One exception for start and reload: no single path, and a message listing them all.
+    assert err.path == ""
+    assert str(err).startswith("5 errors:")
+    assert all(f"{e.path}: {e.reason}" in str(err) for e in err.errors)
+
+
+def test_a_mistake_in_one_instance_does_not_hide_anothers() -> None:
+    d = minimal()
+    light = d["pools"]["light"]["instances"]
+    light[0]["max_concurrency"] = 0  # fails decoding
+    light[0]["provider"] = "anthropic"  # ... in another field too
+    light[1]["url"] = "ftp://10.0.0.5/v1"  # decodes, breaks a cross-field rule
+    d["pools"]["heavy"]["instances"][0]["name"] = "b"  # a duplicate of light's second
+    d["pools"]["heavy"]["instances"].append({**_instance("c2"), "colour": "red"})
+    err = error(d)
+    assert _paths(err) == [
+        "pools.light.instances[0].max_concurrency",
+        "pools.light.instances[0].provider",
+        "pools.heavy.instances[1].colour",
+        "pools.light.instances[1].url",
+        "pools.heavy.instances[0].name",
+    ], err
+
+
+def test_every_finding_of_the_cross_field_rules() -> None:
+    d = minimal()
+    d["health"] = {"ejection_ms": 20_000, "max_ejection_ms": 10_000, "probe": {"path": "x"}}
+    d["timeouts"] = {"connect_ms": 700_000, "stream_idle_ms": 700_000}
+    d["pools"]["light"]["fallback"] = "nowhere"
+    d["pools"]["heavy"]["instances"][0]["url"] = "http://u:p@10.0.0.5/v1"
+    d["models"]["judge"] = {"route": "auto"}
+    d["auth"] = {"keys": [{"key": "k", "name": "a"}, {"key": "k", "name": "a", "models": ["x"]}]}
+    err = error(d)
+    assert _paths(err) == [
+        "health.max_ejection_ms",
+        "health.probe.path",
+        "timeouts.connect_ms",
+        "timeouts.stream_idle_ms",
+        "pools.light.fallback",
+        "pools.heavy.instances[0].url",
+        # `route: auto` needs both pools named: each missing field is its own error
+        "routing.complexity.simple",
+        "routing.complexity.complex",
+        "auth.keys[1].key",
+        "auth.keys[1].name",
+        "auth.keys[1].models[0]",
+    ], err
+
+
+def test_rules_that_need_a_failed_section_are_skipped() -> None:
+    """No noise: what depends on a part that did not decode is not judged."""
+    # cluster.lease_ms fails: renew_ms (checked against the lease) is not reported
+    d = minimal()
+    d["cluster"] = {"redis_url": "redis://h:1", "lease_ms": 0}
+    assert _paths(error(d)) == ["cluster.lease_ms"]
+    # `pools` is not a mapping: nothing is said about the aliases naming pools
+    d = minimal()
+    d["pools"] = ["light"]
+    assert _paths(error(d)) == ["pools"]
+    # an unset variable is one error, not also a type error where it was used
+    d = minimal()
+    d["pools"]["light"]["instances"][0]["max_concurrency"] = "${SLOTS}"
+    d["pools"]["heavy"]["instances"][0]["api_key"] = "${KEY}"
+    d["default_priority"] = "urgent"
+    err = error(d)
+    assert _paths(err) == [
+        "pools.light.instances[0].max_concurrency",
+        "pools.heavy.instances[0].api_key",
+        "default_priority",
+    ], err
+    assert "SLOTS" in err.errors[0].reason and "KEY" in err.errors[1].reason
+    # an alias that failed does not make its references look unknown
+    d = minimal()
+    d["models"]["lite"] = {"pool": "light", "colour": "red"}
+    d["auth"] = {"keys": [{"key": "k", "name": "a", "models": ["lite"]}]}
+    assert _paths(error(d)) == ["models.lite.colour"]
+    # a pool that failed still exists for the aliases and fallbacks naming it
+    d = minimal()
+    d["pools"]["heavy"]["colour"] = "red"
+    d["pools"]["light"]["fallback"] = "heavy"
+    assert _paths(error(d)) == ["pools.heavy.colour"]
+
+
+def test_auto_alias_without_routing_names_both_fields() -> None:
+    d = minimal()
+    d["models"]["judge"] = {"route": "auto"}
+    err = error(d)
+    assert _paths(err) == ["routing.complexity.simple", "routing.complexity.complex"]
+    assert all("models.judge" in e.reason for e in err.errors)
+
+
+def test_every_env_error_in_one_run() -> None:
+    with pytest.raises(ConfigError) as info:
+        expand_env({"a": "${A}", "b": ["${", "ok", "${B}"]}, {})
+    assert _paths(info.value) == ["a", "b[0]", "b[2]"]
+
+
+def test_many_errors_never_contain_secrets() -> None:
+    d = _secret_config()
+    d["pools"]["heavy"]["instances"][0]["url"] = f"https://user:{CANARY}@api.example.com/v1"
+    d["pools"]["heavy"]["instances"][0]["headers"] = {"X-Api-Key": CANARY + "\r\n"}
+    d["pools"]["light"]["instances"][0]["api_key"] = [CANARY]
+    d["auth"]["keys"].append({"key": CANARY + "-client", "name": "other"})
+    d["auth"]["admin_key"] = CANARY + "-client"
+    err = error(d, env={"UPSTREAM_KEY": CANARY})
+    assert len(err.errors) == 5, err
+    assert "CANARY" not in str(err)
+    assert all("CANARY" not in str(e) for e in err.errors)

@@ -15,7 +15,7 @@ keeps its HTTP exceptions in one module.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
 from gateway._core import (
@@ -58,12 +58,27 @@ __all__ = [
 
 class ConfigError(GatewayError):
     """A configuration that cannot be used; `path` names the field, e.g.
-    `pools.light.instances[0].url`."""
+    `pools.light.instances[0].url`.
+
+    `errors` lists every problem found in the file (SPEC §18: all of them in one run): a lone
+    error's list is itself; one made by `combine` has no `path` and its message lists them."""
 
     def __init__(self, path: str, reason: str) -> None:
         super().__init__(f"{path}: {reason}" if path else reason)
         self.path = path
         self.reason = reason
+        self.errors: list[ConfigError] = [self]
+
+    @classmethod
+    def combine(cls, errors: Sequence[ConfigError]) -> ConfigError:
+        """One error standing for all of `errors` (at least one): the error itself when alone,
+        else one whose message is `N errors:` and each error on its own line."""
+        if len(errors) == 1:
+            return errors[0]
+        lines = "".join(f"\n  {e}" for e in errors)
+        combined = cls("", f"{len(errors)} errors:{lines}")
+        combined.errors = list(errors)
+        return combined
 
 
 class RequestError(GatewayError):

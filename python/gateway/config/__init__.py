@@ -1,14 +1,17 @@
 """The gateway's configuration (SPEC §8): typed, defaulted, environment-expanded, validated.
 
-`load_config(path)` / `parse_config(text)` turn YAML into a frozen `Config` or raise
-`ConfigError(path, reason)` naming the offending field, e.g. `pools.light.instances[0].url`.
+`load_config(path)` / `parse_config(text)` turn YAML into a frozen `Config` or raise one
+`ConfigError` whose `errors` list every mistake of the file, each naming the offending field,
+e.g. `pools.light.instances[0].url`.
 
 - `schema.py`: the structs, their SPEC defaults and value ranges;
 - `load.py`: YAML (duplicate keys refused), `${VAR}` / `${VAR:-default}` expansion of values
   (never keys, one pass), small rewrites (empty section = defaults, `realtime`/`batch` =
   `high`/`low`, partial `scheduler.high`/`low` completed), then decoding and validation;
-- `errors.py`: msgspec's messages → field paths and reasons;
-- `validate.py`: cross-field checks (names, URLs, references between pools, cycles, auth);
+- `errors.py`: msgspec's messages → field paths and reasons, every failing field of them;
+- `validate.py`: cross-field checks (names, URLs, references between pools, cycles, auth),
+  run on whatever decoded;
+- `json_schema.py`: the file's JSON Schema for editors (`gateway schema`);
 - `secret.py`: fields typed `Secret` (instance `api_key`, header values, `proxy`, client
   `key`, `admin_key`) are plain strings that no error or `repr` ever shows.
 

@@ -1,8 +1,12 @@
-"""msgspec's validation messages → `ConfigError(path, reason)`.
+"""msgspec's validation messages → `ConfigError(path, reason)`, every one of them.
 
-msgspec reports in English, e.g. "Expected `int`, got `str` - at `$.pools[...].instances[0].port`",
-writing mapping keys as `[...]`. This module is the only place that reads that English: keys are
-recovered from the data, unknown fields get a "did you mean", literal fields list their options.
+msgspec stops at the first problem and reports it in English, e.g. "Expected `int`, got `str` -
+at `$.pools[...].instances[0].port`", writing mapping keys as `[...]`. `collect` finds them all
+(SPEC §18: one run reports every error): it converts the whole, and only where that fails,
+each part on its own — a struct field by field, a mapping entry by entry, a list item by item —
+so a mistake in one instance does not hide another's. This module is the only place that reads
+msgspec's English: keys are recovered from the data, unknown fields get a "did you mean",
+literal fields list their options.
 """
 
 from __future__ import annotations
@@ -10,22 +14,84 @@ from __future__ import annotations
 import difflib
 import re
 import typing
+from typing import Final
 
 import msgspec
 
 from gateway.config.schema import Config, literal_args, struct_fields, unwrap
 from gateway.errors import ConfigError
 
-__all__ = ["join_path", "translate"]
+__all__ = ["UNUSABLE", "collect", "join_path", "translate"]
 
 _SEGMENT = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
 _UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(.+)`")
 _MISSING_FIELD = re.compile(r"Object missing required field `(.+)`")
 
 
-def translate(exc: msgspec.ValidationError, data: object) -> ConfigError:
-    """The `ConfigError` for msgspec's complaint about converting `data` into a `Config`."""
-    return ConfigError(*_translate(str(exc), data))
+class _Unusable:
+    """Stands in the data for a value already reported as wrong before decoding (an unset
+    `${VAR}`, an unknown priority): `collect` says nothing more about it."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "UNUSABLE"
+
+
+UNUSABLE: Final = _Unusable()
+
+
+def collect(data: object, tp: object = Config, path: str = "") -> list[ConfigError]:
+    """Every complaint about converting `data` (at `path`) into `tp`; `[]` if it converts.
+
+    The whole is converted first (one call when all is well); only a part that fails is
+    taken apart, down to the fields that fail."""
+    try:
+        msgspec.convert(data, tp, strict=False)
+    except msgspec.ValidationError as exc:
+        first = exc
+    else:
+        return []
+    if data is UNUSABLE:
+        return []
+    inner = unwrap(tp)
+    errors: list[ConfigError] = []
+    fields = struct_fields(inner)
+    if fields and isinstance(data, dict):
+        for key, value in data.items():
+            if key in fields:
+                errors += collect(value, fields[key], join_path(path, key))
+            else:
+                errors.append(ConfigError(join_path(path, key), _unknown_field(str(key), inner)))
+        errors += [
+            ConfigError(join_path(path, name), "required field is missing")
+            for name in _required(inner)
+            if name not in data
+        ]
+    elif typing.get_origin(inner) is dict and isinstance(data, dict):
+        key_tp, value_tp = typing.get_args(inner)
+        for key, value in data.items():
+            try:
+                msgspec.convert(key, key_tp, strict=False)
+            except msgspec.ValidationError as exc:
+                errors.append(ConfigError(path, _key_reason(str(exc))))
+                continue
+            errors += collect(value, value_tp, join_path(path, key))
+    elif typing.get_origin(inner) is list and isinstance(data, list):
+        (item_tp,) = typing.get_args(inner)
+        for i, item in enumerate(data):
+            errors += collect(item, item_tp, f"{path}[{i}]")
+    if errors or _holds_unusable(data):
+        return errors
+    # A leaf, or a complaint the parts do not show (none is known): msgspec's own words.
+    return [translate(first, data, tp, path)]
+
+
+def translate(
+    exc: msgspec.ValidationError, data: object, tp: object = Config, path: str = ""
+) -> ConfigError:
+    """The `ConfigError` for msgspec's complaint about converting `data` (at `path`) into `tp`."""
+    return ConfigError(*_translate(str(exc), data, tp, path))
 
 
 def join_path(path: str, key: object) -> str:
@@ -33,7 +99,7 @@ def join_path(path: str, key: object) -> str:
     return f"{path}.{key}" if path else str(key)
 
 
-def _translate(message: str, data: object) -> tuple[str, str]:
+def _translate(message: str, data: object, root: object, prefix: str) -> tuple[str, str]:
     """Turns a msgspec error into (`pools.light.instances[0].url`, reason).
 
     msgspec writes mapping keys as `[...]`; they are recovered from the data by finding the
@@ -44,15 +110,11 @@ def _translate(message: str, data: object) -> tuple[str, str]:
     key_error = where.startswith("key` in `")
     if key_error:
         where = where.removeprefix("key` in `")
-    path, tp = _resolve(where.removeprefix("$"), data)
+    path, tp = _resolve(where.removeprefix("$"), data, root, prefix)
     if key_error:
-        return path, f"keys must be strings ({reason[0].lower()}{reason[1:]})"
+        return path, _key_reason(reason)
     if m := _UNKNOWN_FIELD.fullmatch(reason):
-        field = m.group(1)
-        known = list(struct_fields(tp))
-        close = difflib.get_close_matches(field, known, n=1)
-        hint = f"did you mean `{close[0]}`?" if close else f"expected one of: {', '.join(known)}"
-        return join_path(path, field), f"unknown field; {hint}"
+        return join_path(path, m.group(1)), _unknown_field(m.group(1), tp)
     if m := _MISSING_FIELD.fullmatch(reason):
         return join_path(path, m.group(1)), "required field is missing"
     if reason.startswith("Invalid enum value"):
@@ -63,10 +125,44 @@ def _translate(message: str, data: object) -> tuple[str, str]:
     return path, reason
 
 
-def _resolve(msgspec_path: str, data: object) -> tuple[str, object]:
-    """Walks a msgspec path over the data and the schema; returns (dotted path, field type)."""
-    path = ""
-    tp: object = Config
+def _unknown_field(field: str, tp: object) -> str:
+    known = list(struct_fields(tp))
+    close = difflib.get_close_matches(field, known, n=1)
+    hint = f"did you mean `{close[0]}`?" if close else f"expected one of: {', '.join(known)}"
+    return f"unknown field; {hint}"
+
+
+def _key_reason(reason: str) -> str:
+    reason = reason.partition(" - at `")[0]
+    return f"keys must be strings ({reason[0].lower()}{reason[1:]})"
+
+
+def _required(tp: object) -> list[str]:
+    """The fields of struct type `tp` without a default."""
+    if not (isinstance(tp, type) and issubclass(tp, msgspec.Struct)):
+        return []
+    return [
+        f.name
+        for f in msgspec.structs.fields(tp)
+        if f.default is msgspec.NODEFAULT and f.default_factory is msgspec.NODEFAULT
+    ]
+
+
+def _holds_unusable(data: object) -> bool:
+    if data is UNUSABLE:
+        return True
+    if isinstance(data, dict):
+        return any(_holds_unusable(v) for v in data.values())
+    if isinstance(data, list):
+        return any(_holds_unusable(v) for v in data)
+    return False
+
+
+def _resolve(msgspec_path: str, data: object, root: object, prefix: str) -> tuple[str, object]:
+    """Walks a msgspec path over the data and the schema from `root` at `prefix`; returns
+    (dotted path, field type)."""
+    path = prefix
+    tp: object = root
     for m in _SEGMENT.finditer(msgspec_path):
         attr, index = m.group(1), m.group(2)
         inner = unwrap(tp)

@@ -7,6 +7,12 @@
 3. `msgspec.convert(..., strict=False)` into the schema (types, unknown fields, per-field
    ranges; `strict=False` lets `"${PORT:-8080}"` become an int), errors via `errors.py`;
 4. cross-field checks (`validate.py`).
+
+SPEC §8/§18: every error of a file is reported in one run. Steps 2-4 go on past a mistake: a
+value that cannot be expanded or rewritten is left out of decoding (it is reported already),
+decoding reports every field that fails, and the cross-field checks run on whatever decoded.
+A YAML error or an unreadable file stops at step 1: there is nothing to go on with. The
+`ConfigError` raised lists them all (`errors`).
 """
 
 from __future__ import annotations
@@ -15,23 +21,29 @@ import os
 import re
 from collections.abc import Hashable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import yaml
 
-from gateway.config.errors import join_path, translate
+from gateway.config.errors import UNUSABLE, collect, join_path, translate
 from gateway.config.schema import (
     CLASS_DEFAULTS,
     PRIORITY_ALIASES,
+    ApiKey,
     Config,
+    InstanceSpec,
+    ModelAlias,
+    PoolSpec,
     is_optional,
     struct_fields,
 )
-from gateway.config.validate import validate
+from gateway.config.validate import Parts, findings, validate
 from gateway.errors import ConfigError
 
 __all__ = ["expand_env", "load_config", "parse_config"]
+
+T = TypeVar("T")
 
 
 def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> Config:
@@ -58,15 +70,70 @@ def parse_config(
 
 
 def _build(data: dict[Any, Any], env: Mapping[str, str]) -> Config:
-    expanded = expand_env(data, env)
+    errors: list[ConfigError] = []
+    expanded = _expand(data, env, "", errors)
     _drop_null_sections(expanded, Config)
-    _normalise_priorities(expanded)
+    _normalise_priorities(expanded, errors)
     _fill_class_defaults(expanded)
+    errors += collect(expanded, Config)
+    if not errors:
+        try:
+            decoded = msgspec.convert(expanded, Config, strict=False)
+        except msgspec.ValidationError as exc:  # `collect` said it converts: never expected
+            raise translate(exc, expanded) from None
+        return validate(decoded)
+    # SPEC §18: the cross-field rules still run on what decoded, and report too.
+    raise ConfigError.combine([*errors, *findings(_parts(expanded))])
+
+
+def _parts(data: dict[Any, Any]) -> Parts:
+    """`data` decoded section by section, and pool by pool, instance by instance, alias by
+    alias and key by key where a section does not decode whole."""
+    sections: dict[str, Any] = {}
+    failed: set[str] = set()
+    for name, tp in struct_fields(Config).items():
+        if name not in data or name in ("pools", "models"):
+            continue
+        try:
+            sections[name] = msgspec.convert(data[name], tp, strict=False)
+        except msgspec.ValidationError:
+            failed.add(name)
+    raw_pools = data.get("pools")
+    pools = _each_entry(raw_pools, PoolSpec)
+    instances: dict[str, list[InstanceSpec | None]] = {}
+    if pools is not None and isinstance(raw_pools, dict):
+        for name, pool in raw_pools.items():
+            if isinstance(pool, dict) and isinstance(pool.get("instances"), list):
+                instances[name] = _each_item(pool["instances"], InstanceSpec)
+    auth = data.get("auth")
+    raw_keys = auth.get("keys") if isinstance(auth, dict) else None
+    return Parts(
+        config=Config(**sections, pools={}, models={}),
+        failed=frozenset(failed),
+        pools=pools,
+        instances=instances,
+        models=_each_entry(data.get("models"), ModelAlias),
+        keys=_each_item(raw_keys, ApiKey) if isinstance(raw_keys, list) else None,
+    )
+
+
+def _each_entry(data: object, tp: type[T]) -> dict[str, T | None] | None:
+    """Each value of the mapping `data` as a `tp`, `None` where it does not convert; `None`
+    when `data` is not a mapping with string keys (its names are unknown)."""
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        return None
+    return {key: _convert(value, tp) for key, value in data.items()}
+
+
+def _each_item(data: list[Any], tp: type[T]) -> list[T | None]:
+    return [_convert(item, tp) for item in data]
+
+
+def _convert(data: object, tp: type[T]) -> T | None:
     try:
-        decoded = msgspec.convert(expanded, Config, strict=False)
-    except msgspec.ValidationError as exc:
-        raise translate(exc, expanded) from None
-    return validate(decoded)
+        return msgspec.convert(data, tp, strict=False)
+    except msgspec.ValidationError:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,13 +192,28 @@ def expand_env(data: object, env: Mapping[str, str], path: str = "") -> Any:
 
     Keys are left alone, and substituted text is never expanded again (one pass). `:-` uses
     the default when the variable is unset or empty, as the shell does. `$${` writes `${`.
+    Raises one `ConfigError` for every value that cannot be expanded.
     """
+    errors: list[ConfigError] = []
+    expanded = _expand(data, env, path, errors)
+    if errors:
+        raise ConfigError.combine(errors)
+    return expanded
+
+
+def _expand(data: object, env: Mapping[str, str], path: str, errors: list[ConfigError]) -> Any:
+    """`expand_env`, appending to `errors` instead of raising; a value that cannot be expanded
+    becomes `UNUSABLE`."""
     if isinstance(data, str):
-        return _expand_str(data, env, path)
+        try:
+            return _expand_str(data, env, path)
+        except ConfigError as exc:
+            errors.append(exc)
+            return UNUSABLE
     if isinstance(data, dict):
-        return {k: expand_env(v, env, join_path(path, k)) for k, v in data.items()}
+        return {k: _expand(v, env, join_path(path, k), errors) for k, v in data.items()}
     if isinstance(data, list):
-        return [expand_env(v, env, f"{path}[{i}]") for i, v in enumerate(data)]
+        return [_expand(v, env, f"{path}[{i}]", errors) for i, v in enumerate(data)]
     return data
 
 
@@ -181,25 +263,33 @@ def _drop_null_sections(data: dict[Any, Any], tp: object) -> None:
             _drop_null_sections(data[key], field_tp)
 
 
-def _normalise_priorities(data: dict[Any, Any]) -> None:
-    """Maps `realtime`/`batch` to `high`/`low` where a priority is expected, in place."""
-    _normalise_priority(data, "default_priority", "default_priority")
+def _normalise_priorities(data: dict[Any, Any], errors: list[ConfigError]) -> None:
+    """Maps `realtime`/`batch` to `high`/`low` where a priority is expected, in place; an
+    unknown priority is appended to `errors` and becomes `UNUSABLE`."""
+    _normalise_priority(data, "default_priority", "default_priority", errors)
     auth = data.get("auth")
     keys = auth.get("keys") if isinstance(auth, dict) else None
     if isinstance(keys, list):
         for i, entry in enumerate(keys):
             if isinstance(entry, dict):
-                _normalise_priority(entry, "priority", f"auth.keys[{i}].priority")
+                _normalise_priority(entry, "priority", f"auth.keys[{i}].priority", errors)
 
 
-def _normalise_priority(container: dict[Any, Any], key: str, path: str) -> None:
+def _normalise_priority(
+    container: dict[Any, Any], key: str, path: str, errors: list[ConfigError]
+) -> None:
     value = container.get(key)
     if isinstance(value, str):
-        if value not in PRIORITY_ALIASES:
-            raise ConfigError(
-                path, f"invalid priority {value!r}; expected one of: high, low, realtime, batch"
+        if value in PRIORITY_ALIASES:
+            container[key] = PRIORITY_ALIASES[value]
+        else:
+            errors.append(
+                ConfigError(
+                    path,
+                    f"invalid priority {value!r}; expected one of: high, low, realtime, batch",
+                )
             )
-        container[key] = PRIORITY_ALIASES[value]
+            container[key] = UNUSABLE
 
 
 def _fill_class_defaults(data: dict[Any, Any]) -> None:
