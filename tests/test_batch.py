@@ -104,7 +104,9 @@ async def records(c: AsyncOpenAI, file_id: str | None) -> list[dict[str, Any]]:
 
 
 async def metric(gw: RunningGateway, name: str) -> float:
-    async with gw.session.get(gw.url + "/metrics") as resp:
+    # SPEC §9: with auth on, /metrics asks for the metrics key or the admin key
+    headers = {"Authorization": f"Bearer {gw.admin_key}"} if gw.admin_key else {}
+    async with gw.session.get(gw.url + "/metrics", headers=headers) as resp:
         text = await resp.text()
     for row in text.splitlines():
         series, _, value = row.rpartition(" ")

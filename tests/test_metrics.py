@@ -3,15 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import signal
+import socket
+import sys
+import textwrap
+import time
+from pathlib import Path
 from typing import Any
 
+import aiohttp
+import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.logs import JsonFormatter, TextFormatter
+from gateway.redact import RedactingFilter
 from support import GatewayFactory, MockFactory, RunningGateway, chat, pool_config, simple_config
 
 
-async def _scrape(gw: RunningGateway) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
-    async with gw.session.get(gw.url + "/metrics") as resp:
+async def _scrape(
+    gw: RunningGateway, key: str | None = None
+) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with gw.session.get(gw.url + "/metrics", headers=headers) as resp:
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("text/plain")
         text = await resp.text()
@@ -166,9 +180,274 @@ async def test_no_secret_in_metrics_or_logs(
                     await resp.read()
     finally:
         logger.removeHandler(handler)
-    async with gw.session.get(gw.url + "/metrics") as resp:
+    # SPEC §9: with auth on, /metrics asks for the metrics key or the admin key
+    admin = {"Authorization": "Bearer adm-canary-9b1c"}
+    async with gw.session.get(gw.url + "/metrics", headers=admin) as resp:
+        assert resp.status == 200
         text = await resp.text()
+    keyed = [
+        s.labels["key"]
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "gateway_key_requests_total"
+    ]
+    assert "tenant-a" in keyed and "none" in keyed  # the key's name; "none" for the wrong key
     blob = text + "\n".join(records)
     assert records, "the access log wrote nothing"
     for secret in (canary_client, "sk-wrong-canary", "adm-canary-9b1c", "sk-upstream-secret"):
         assert secret not in blob
+
+
+# ---------------------------------------------------------------------------------------------
+# Per client key (SPEC §9: operators bill and throttle by key), and /metrics behind a key.
+
+FREE, PAID, METRICS_KEY, ADMIN_KEY = "sk-free-5e1d9", "sk-paid-77c2a", "mk-scrape-31f0", "adm-4d2e"
+
+
+def _keyed_auth(**extra: Any) -> dict[str, Any]:
+    return {
+        "keys": [{"key": FREE, "name": "free"}, {"key": PAID, "name": "paid"}],
+        "admin_key": ADMIN_KEY,
+        "metrics_key": METRICS_KEY,
+        **extra,
+    }
+
+
+class _Lines(logging.Handler):
+    """The access log's lines as `gateway serve` writes them, in both formats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.json: list[dict[str, Any]] = []
+        self.text: list[str] = []
+        self.addFilter(RedactingFilter())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.json.append(orjson.loads(JsonFormatter().format(record)))
+        self.text.append(TextFormatter().format(record))
+
+
+async def test_per_key_counters_and_access_log(
+    mocks: MockFactory, gateway_factory: GatewayFactory
+) -> None:
+    m = await mocks(seed=5)
+    gw = await gateway_factory(simple_config(pool_config(m), auth=_keyed_auth()))
+    access = logging.getLogger("gateway.access")
+    lines = _Lines()
+    access.addHandler(lines)
+    old_level = access.level
+    access.setLevel(logging.INFO)
+    usage: dict[str, list[int]] = {"free": [0, 0], "paid": [0, 0]}
+    try:
+        for name, key, n in (("free", FREE, 3), ("paid", PAID, 2)):
+            auth = {"Authorization": f"Bearer {key}"}
+            for i in range(n):
+                if i == 0:  # one streamed answer per key, its usage from the last chunk
+                    body = chat(stream=True, stream_options={"include_usage": True})
+                else:
+                    body = chat()
+                async with await gw.post("/v1/chat/completions", body, headers=auth) as resp:
+                    assert resp.status == 200
+                    if i:
+                        got = (await resp.json())["usage"]
+                    else:
+                        raw = (await resp.read()).decode()
+                        got = orjson.loads(
+                            [ln for ln in raw.splitlines() if '"usage":{' in ln][-1][6:]
+                        )["usage"]
+                usage[name][0] += got["prompt_tokens"]
+                usage[name][1] += got["completion_tokens"]
+        for headers in ({"Authorization": "Bearer sk-unknown-0000"}, {}):
+            async with await gw.post("/v1/chat/completions", chat(), headers=headers) as resp:
+                assert resp.status == 401
+    finally:
+        access.removeHandler(lines)
+        access.setLevel(old_level)
+    after = await _scrape(gw, METRICS_KEY)
+    assert _value(after, "gateway_key_requests_total", key="free", code="200") == 3
+    assert _value(after, "gateway_key_requests_total", key="paid", code="200") == 2
+    assert _value(after, "gateway_key_requests_total", key="none", code="401") == 2
+    for name, (prompt, completion) in usage.items():
+        assert _value(after, "gateway_key_tokens_total", key=name, kind="prompt") == prompt
+        assert _value(after, "gateway_key_tokens_total", key=name, kind="completion") == completion
+    # every answered request is counted under exactly one key
+    assert sum(after["gateway_key_requests_total"].values()) == sum(
+        after["gateway_requests_total"].values()
+    )
+    # the key label holds configured names only
+    assert {dict(k)["key"] for k in after["gateway_key_requests_total"]} == {"free", "paid", "none"}
+    # the access log: key name and token counts on each request's line, in both formats
+    assert len(lines.json) == 7
+    by_key = [(d["key"], d["prompt_tokens"], d["completion_tokens"]) for d in lines.json]
+    assert by_key[-2:] == [(None, None, None)] * 2
+    for name in ("free", "paid"):
+        mine = [(p, c) for k, p, c in by_key if k == name]
+        assert [sum(x) for x in zip(*mine, strict=True)] == usage[name]
+    for text, doc in zip(lines.text, lines.json, strict=True):
+        if doc["key"] is not None:
+            assert f"key={doc['key']} " in text
+            assert f"prompt_tokens={doc['prompt_tokens']} " in text
+            assert f"completion_tokens={doc['completion_tokens']}" in text
+        else:
+            assert "key=" not in text
+    blob = "\n".join(lines.text) + orjson.dumps(lines.json).decode() + repr(after)
+    for secret in (FREE, PAID, "sk-unknown-0000", METRICS_KEY, ADMIN_KEY):
+        assert secret not in blob
+    await gw.assert_quiet()
+
+
+async def test_a_reload_that_removes_a_key_keeps_metrics_working(
+    mocks: MockFactory, gateway_factory: GatewayFactory
+) -> None:
+    m = await mocks()
+    config = simple_config(pool_config(m), auth=_keyed_auth())
+    gw = await gateway_factory(config)
+    for key in (FREE, PAID):
+        async with await gw.post(
+            "/v1/chat/completions", chat(), headers={"Authorization": f"Bearer {key}"}
+        ) as resp:
+            assert resp.status == 200
+    before = await _scrape(gw, METRICS_KEY)
+    assert _value(before, "gateway_key_requests_total", key="free", code="200") == 1
+    config["auth"]["keys"] = [k for k in config["auth"]["keys"] if k["name"] != "free"]
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    status, _ = await gw.reload(config, headers=admin)
+    assert status == 200
+    async with await gw.post(
+        "/v1/chat/completions", chat(), headers={"Authorization": f"Bearer {FREE}"}
+    ) as resp:
+        assert resp.status == 401  # the removed key is refused, counted under none
+    async with await gw.post(
+        "/v1/chat/completions", chat(), headers={"Authorization": f"Bearer {PAID}"}
+    ) as resp:
+        assert resp.status == 200
+    after = await _scrape(gw, METRICS_KEY)
+    keys = {dict(k)["key"] for k in after["gateway_key_requests_total"]}
+    assert keys == {"paid", "none"}, "a removed key's series go with it (bounded labels)"
+    assert {dict(k)["key"] for k in after["gateway_key_tokens_total"]} == {"paid", "none"}
+    assert _value(after, "gateway_key_requests_total", key="paid", code="200") == 2
+    assert _value(after, "gateway_key_requests_total", key="none", code="401") == 1
+    await gw.assert_quiet()
+
+
+async def _get_metrics(gw: RunningGateway, headers: dict[str, str]) -> tuple[int, str, str]:
+    async with gw.session.get(gw.url + "/metrics", headers=headers) as resp:
+        return resp.status, resp.headers.get("Content-Type", ""), await resp.text()
+
+
+async def test_metrics_need_a_key_when_auth_is_on(
+    mocks: MockFactory, gateway_factory: GatewayFactory
+) -> None:
+    m = await mocks()
+    gw = await gateway_factory(simple_config(pool_config(m), auth=_keyed_auth()))
+    for headers in (
+        {},
+        {"Authorization": f"Bearer {FREE}"},  # a client key is not enough
+        {"Authorization": "Bearer mk-wrong"},
+        {"Authorization": f"Basic {METRICS_KEY}"},
+    ):
+        status, ctype, text = await _get_metrics(gw, headers)
+        assert status == 401, headers
+        assert ctype.startswith("application/json") and "gateway_" not in text
+        err = orjson.loads(text)["error"]
+        assert err["code"] == "invalid_api_key" and set(err) == {"message", "type", "param", "code"}
+        assert METRICS_KEY not in text and FREE not in text
+    for key in (METRICS_KEY, ADMIN_KEY):
+        status, ctype, text = await _get_metrics(gw, {"Authorization": f"Bearer {key}"})
+        assert status == 200 and ctype.startswith("text/plain")
+        assert "gateway_requests_total" in text
+    # the explicit opt-out, and no auth at all: open as before
+    for auth in (_keyed_auth(public_metrics=True), None):
+        extra = {"auth": auth} if auth is not None else {}
+        open_gw = await gateway_factory(simple_config(pool_config(m), **extra))
+        status, _, text = await _get_metrics(open_gw, {})
+        assert status == 200 and "gateway_requests_total" in text
+
+
+async def test_metrics_key_with_workers(tmp_path: Path, mocks: MockFactory) -> None:
+    """SPEC §12: any worker answers /metrics for the whole gateway — the same 401 without a
+    key, and the per-key counts of every worker summed (through the snapshot path)."""
+    m = await mocks()
+    port = _free_port()
+    path = tmp_path / "gateway.yaml"
+    path.write_text(
+        textwrap.dedent(
+            f"""\
+            listen: {{host: 127.0.0.1, port: {port}}}
+            shutdown: {{drain_timeout_ms: 5000, drain_delay_ms: 0}}
+            health: {{probe: {{enabled: false}}}}
+            auth:
+              keys: [{{key: {FREE}, name: free}}]
+              admin_key: {ADMIN_KEY}
+              metrics_key: {METRICS_KEY}
+            pools:
+              p:
+                instances:
+                  - {{name: i0, url: "{m.url}", model: up, max_concurrency: 4}}
+            models: {{m: {{pool: p}}}}
+            """
+        )
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "serve",
+        "--config",
+        str(path),
+        "--workers",
+        "2",
+        "--no-access-log",
+        stdout=asyncio.subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 60)
+        assert b"(2 workers)" in line, line
+        # fresh connections: SO_REUSEPORT spreads them over the workers
+        connector = aiohttp.TCPConnector(force_close=True, limit=0)
+        async with aiohttp.ClientSession(connector=connector) as s:
+            auth = {"Authorization": f"Bearer {FREE}"}
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+            for _ in range(20):
+                async with s.post(url + "/v1/chat/completions", json=body, headers=auth) as r:
+                    assert r.status == 200
+            scrape = {"Authorization": f"Bearer {METRICS_KEY}"}
+            # Each scrape (a fresh connection: any worker) sums every worker's counts; a
+            # peer's snapshot may be up to a second old, so: until 8 scrapes in a row agree.
+            in_a_row, last = 0, None
+            deadline = time.monotonic() + 15
+            while in_a_row < 8:
+                assert time.monotonic() < deadline, last
+                async with s.get(url + "/metrics") as r:
+                    assert r.status == 401 and "gateway_" not in await r.text()
+                async with s.get(url + "/admin/state", headers=scrape) as r:
+                    assert r.status == 401  # the metrics key opens /metrics only
+                async with s.get(url + "/metrics", headers=scrape) as r:
+                    assert r.status == 200
+                    text = await r.text()
+                last = [
+                    sample.value
+                    for fam in text_string_to_metric_families(text)
+                    for sample in fam.samples
+                    if sample.name == "gateway_key_requests_total"
+                    and sample.labels == {"key": "free", "code": "200"}
+                ]
+                in_a_row = in_a_row + 1 if last == [20.0] else 0
+                if not in_a_row:
+                    await asyncio.sleep(0.1)
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 20)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -25,7 +25,9 @@ async def _send(gw: RunningGateway, **kw: Any) -> tuple[int, str]:
 
 
 async def _metric(gw: RunningGateway, name: str) -> str:
-    async with gw.session.get(gw.url + "/metrics") as resp:
+    # SPEC §9: with auth on, /metrics asks for the metrics key or the admin key
+    headers = {"Authorization": f"Bearer {gw.admin_key}"} if gw.admin_key else {}
+    async with gw.session.get(gw.url + "/metrics", headers=headers) as resp:
         text = await resp.text()
     return "\n".join(line for line in text.splitlines() if line.startswith(name))
 

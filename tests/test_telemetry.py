@@ -392,9 +392,20 @@ async def test_client_traceparent_and_tracestate_are_continued(
     assert server.trace_id == CLIENT_TRACE and server.parent_span_id == CLIENT_SPAN
 
 
+@pytest.fixture
+def trusting(otlp: OtlpReceiver) -> Iterator[Tracing]:
+    """A tracer that honours the client's sampled flag (`respect_client_sampling: true`)."""
+    t = telemetry.setup(_config(otlp_endpoint=otlp.url, respect_client_sampling=True), env={})
+    assert t is not None
+    yield t
+    t.shutdown()
+
+
 async def test_unsampled_parent_records_nothing_but_still_propagates(
-    tracing: Tracing, otlp: OtlpReceiver
+    trusting: Tracing, otlp: OtlpReceiver
 ) -> None:
+    """With `respect_client_sampling: true` the client's "not sampled" decides."""
+    tracing = trusting
     span = tracing.request(
         {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00"}, "/v1/chat/completions"
     )
@@ -435,6 +446,57 @@ async def test_invalid_client_trace_context_starts_a_new_trace(
     assert span.trace_id != CLIENT_TRACE
     a.end(SimpleNamespace(status=200), _exchange())
     span.end(_exchange())
+
+
+async def test_by_default_the_client_flag_decides_nothing(
+    tracing: Tracing, otlp: OtlpReceiver
+) -> None:
+    """SPEC §9: `sample_ratio` rules (1.0 here): a client's "not sampled" parent is still
+    recorded, as the child of the client's span, and the upstream learns it is sampled."""
+    span = tracing.request(
+        {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00"}, "/v1/chat/completions"
+    )
+    assert span.recording and span.trace_id == CLIENT_TRACE
+    a = span.attempt(1, "p", "a", "up-model", "http://h:1")
+    assert _parse(a.headers()["traceparent"])[::2] == (CLIENT_TRACE, True)
+    a.end(SimpleNamespace(status=200), _exchange())
+    span.end(_exchange())
+    await _flush(tracing)
+    spans = _by_name(await otlp.wait_for(2))
+    assert spans["chat"][0].parent_span_id == CLIENT_SPAN
+
+
+@pytest.mark.parametrize("respect", [False, True])
+async def test_sample_ratio_zero_and_sampled_client_parents(
+    otlp: OtlpReceiver, respect: bool
+) -> None:
+    """`sample_ratio: 0` with sampled client `traceparent`s: nothing exported by default (a
+    client cannot force an export, whatever trace id it picks — an all-zero low half passes
+    any trace-id ratio test); with `respect_client_sampling: true` every one is. Either way
+    the upstream gets the client's trace id and the gateway's decision."""
+    cfg = _config(otlp_endpoint=otlp.url, sample_ratio=0.0, respect_client_sampling=respect)
+    t = telemetry.setup(cfg, env={})
+    assert t is not None
+    try:
+        traces = [f"{i + 1:016x}0000000000000000" for i in range(10)]
+        for trace in traces:
+            span = t.request(
+                {"traceparent": f"00-{trace}-{CLIENT_SPAN}-01"}, "/v1/chat/completions"
+            )
+            assert span.recording is respect
+            a = span.attempt(1, "p", "a", "up-model", "http://h:1")
+            sent_trace, parent, sampled = _parse(a.headers()["traceparent"])
+            assert sent_trace == trace and sampled is respect and parent != CLIENT_SPAN
+            a.end(SimpleNamespace(status=200), _exchange())
+            span.end(_exchange())
+        await _flush(t)
+        if respect:
+            spans = await otlp.wait_for(20)
+            assert {s.trace_id for s in spans} == set(traces)
+        else:
+            assert otlp.spans == []
+    finally:
+        t.shutdown()
 
 
 async def test_sample_ratio_zero_exports_nothing(otlp: OtlpReceiver) -> None:
@@ -505,6 +567,12 @@ def _assert_clean(otlp: OtlpReceiver, secrets: tuple[str, ...]) -> None:
 def test_histograms_carry_the_trace_id_as_exemplar_in_openmetrics_only() -> None:
     m = Metrics(lambda: SimpleNamespace(pools={}))  # type: ignore[arg-type,return-value]
     trace = "0af7651916cd43dd8448eb211c80319c"
+    # off by default (`telemetry.exemplars: false`): no trace id in any format
+    m.waited("p", "high", 0.02, trace_id=trace)
+    m.attempt("p", "a", 0.05, 0.3, trace_id=trace)
+    accept = "application/openmetrics-text;version=1.0.0"
+    assert trace.encode() not in m.exposition(accept)[0]
+    m.exemplars = True
     m.waited("p", "high", 0.02, trace_id=trace)
     m.waited("p", "high", 0.02)  # keyword-less callers still work
     m.attempt("p", "a", 0.05, 0.3, trace_id=trace)
@@ -693,7 +761,10 @@ async def test_e2e_client_traceparent_parents_the_server_span(
     otlp: OtlpReceiver, mocks: MockFactory, gateway_factory: GatewayFactory
 ) -> None:
     up = await mocks()
-    gw = await gateway_factory(_traced_config(pool_config(up), otlp))
+    # the client's flag decides only when the operator says so (default: sample_ratio rules)
+    config = _traced_config(pool_config(up), otlp)
+    config["telemetry"]["respect_client_sampling"] = True
+    gw = await gateway_factory(config)
     headers = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}
     async with await gw.post("/v1/chat/completions", chat(), headers=headers) as resp:
         assert resp.status == 200
@@ -749,7 +820,9 @@ async def test_e2e_metrics_exemplars_point_at_exported_traces(
     otlp: OtlpReceiver, mocks: MockFactory, gateway_factory: GatewayFactory
 ) -> None:
     up = await mocks()
-    gw = await gateway_factory(_traced_config(pool_config(up), otlp))
+    config = _traced_config(pool_config(up), otlp)
+    config["telemetry"]["exemplars"] = True  # off by default
+    gw = await gateway_factory(config)
     async with await gw.post("/v1/chat/completions", chat()) as resp:
         assert resp.status == 200
     spans = await _traces(gw, otlp, 3)
@@ -788,3 +861,105 @@ async def test_e2e_off_sends_no_trace_context(
     # the client's trace context is not forwarded either: the upstream request is built
     # from the config alone (SPEC §7)
     assert "traceparent" not in up.requests[-1]["headers"]
+
+
+OPENMETRICS = {"Accept": "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"}
+
+
+async def test_e2e_no_exemplars_by_default(
+    otlp: OtlpReceiver, mocks: MockFactory, gateway_factory: GatewayFactory
+) -> None:
+    """SPEC §9: an exemplar is some tenant's trace id; a scrape shows none unless
+    `telemetry.exemplars: true`."""
+    up = await mocks()
+    gw = await gateway_factory(_traced_config(pool_config(up), otlp))
+    for stream in (False, True):
+        async with await gw.post("/v1/chat/completions", chat(stream=stream)) as resp:
+            assert resp.status == 200
+            await resp.read()
+    spans = await _traces(gw, otlp, 6)
+    async with gw.session.get(gw.url + "/metrics", headers=OPENMETRICS) as resp:
+        assert resp.headers["Content-Type"].startswith("application/openmetrics-text")
+        text = await resp.text()
+    assert "gateway_upstream_latency_seconds_bucket" in text
+    assert " # {" not in text and "trace_id" not in text
+    assert not any(s.trace_id in text for s in spans)
+
+
+@pytest.mark.parametrize("respect", [False, True])
+async def test_e2e_sampled_client_traceparents_cannot_force_export(
+    otlp: OtlpReceiver, mocks: MockFactory, gateway_factory: GatewayFactory, respect: bool
+) -> None:
+    """`sample_ratio: 0` and 10 requests with sampled `traceparent`s: 0 spans exported by
+    default (the issue saw 30); with `respect_client_sampling: true`, 3 per request. The
+    upstream gets the client's trace id either way, flagged with the gateway's decision."""
+    up = await mocks()
+    config = _traced_config(pool_config(up), otlp)
+    config["telemetry"] |= {"sample_ratio": 0.0, "respect_client_sampling": respect}
+    gw = await gateway_factory(config)
+    traces = [f"{i + 1:016x}0000000000000000" for i in range(10)]
+    for trace in traces:
+        headers = {"traceparent": f"00-{trace}-{CLIENT_SPAN}-01"}
+        async with await gw.post("/v1/chat/completions", chat(), headers=headers) as resp:
+            assert resp.status == 200
+    sent = [_parse(r["headers"]["traceparent"]) for r in up.requests[-10:]]
+    assert [t for t, _, _ in sent] == traces
+    assert all(sampled is respect and parent != CLIENT_SPAN for _, parent, sampled in sent)
+    if respect:
+        spans = await _traces(gw, otlp, 30)
+        assert len(spans) == 30 and {s.trace_id for s in spans} == set(traces)
+    else:
+        await _flush(_tracing_of(gw))
+        assert otlp.spans == []
+
+
+async def test_e2e_genai_request_and_response_attributes(
+    otlp: OtlpReceiver, mocks: MockFactory, gateway_factory: GatewayFactory
+) -> None:
+    """`gen_ai.provider.name` (the instance's provider), `gen_ai.request.max_tokens`,
+    `gen_ai.request.temperature` and `gen_ai.response.finish_reasons`, streamed or not."""
+    up = await mocks()
+    pool = pool_config(up)
+    pool["instances"][0]["provider"] = "vllm"
+    gw = await gateway_factory(_traced_config(pool, otlp))
+    asks = [
+        (chat(max_tokens=5, temperature=0.25), ["length"]),
+        (chat(stream=True, max_tokens=5, temperature=0.25), ["length"]),
+        (chat(stream=True, temperature=1), ["stop"]),
+        (chat(), ["stop"]),
+    ]
+    for body, _ in asks:
+        async with await gw.post("/v1/chat/completions", body) as resp:
+            assert resp.status == 200
+            await resp.read()
+    spans = await _traces(gw, otlp, 3 * len(asks))
+    servers = sorted((s for s in spans if s.kind == "SERVER"), key=lambda s: s.start_ns)
+    assert len(servers) == len(asks)
+    for server, (body, reasons) in zip(servers, asks, strict=True):
+        _, children = _tree(spans, server.trace_id)
+        attempt = children[-1]
+        for span in (server, attempt):
+            a = span.attributes
+            assert a["gen_ai.provider.name"] == "vllm", span.name
+            assert a["gen_ai.response.finish_reasons"] == reasons, (span.name, body)
+            if "max_tokens" in body:
+                assert a["gen_ai.request.max_tokens"] == 5
+            else:
+                assert "gen_ai.request.max_tokens" not in a
+            if "temperature" in body:
+                assert a["gen_ai.request.temperature"] == float(body["temperature"])
+            else:
+                assert "gen_ai.request.temperature" not in a
+
+
+def test_finish_reasons_and_request_numbers_are_bounded() -> None:
+    assert telemetry.finish_reasons(b'{"choices":[{"finish_reason":"stop"},{}]}') == ["stop"]
+    assert telemetry.finish_reasons(b'{"choices":[]}') is None
+    assert telemetry.finish_reasons(b"not json") is None
+    many = b'{"choices":[' + b",".join([b'{"finish_reason":"' + b"x" * 500 + b'"}'] * 40) + b"]}"
+    got = telemetry.finish_reasons(many)
+    assert got is not None and len(got) == 16 and all(len(r) == 64 for r in got)
+    assert telemetry._request_attrs({"max_tokens": True, "temperature": "hot"}) == {}
+    assert telemetry._request_attrs({"max_completion_tokens": 9, "temperature": float("nan")}) == {
+        "gen_ai.request.max_tokens": 9
+    }

@@ -5,18 +5,20 @@ reaches into a pool's core."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
 
 from gateway import __version__
-from gateway.auth import KeyRing
+from gateway.auth import KeyRing, bearer
 from gateway.config import load_config
 from gateway.dashboard import render as render_dashboard
-from gateway.errors import ConfigError, InvalidConfig
+from gateway.errors import ConfigError, InvalidConfig, Unauthorized
 from gateway.pool import InstanceSnapshot, PoolSnapshot, now_ms
 from gateway.redact import REDACTOR, secrets_of
 from gateway.workers import link
@@ -134,6 +136,9 @@ class Admin:
         # The previous ring: unchanged keys keep their RPM/TPM buckets and tenant indexes
         # (queued requests carry them).
         gw.keys = KeyRing(config, previous=gw.keys)
+        # SPEC §9: per-key series only for the configured names; exemplars only if asked for.
+        gw.metrics.keep_keys(t.name for t in gw.keys.tenants)
+        gw.metrics.exemplars = config.telemetry.exemplars
         if self.cluster is not None:
             self.cluster.adopt_keys(gw.keys)  # SPEC §13 cluster-wide limits, before any request
             if config.cluster != self.cluster.settings:
@@ -157,8 +162,30 @@ class Admin:
         body = orjson.dumps({"status": "reloaded", "notes": notes})
         return web.Response(body=body, content_type=_JSON)
 
+    def authenticate_scrape(self, headers: Mapping[str, str]) -> None:
+        """SPEC §9: with `auth` on, `/metrics` (instance names, load, per-key token counts)
+        answers only `Authorization: Bearer <auth.metrics_key>` or the admin key, unless
+        `auth.public_metrics: true` opens it on purpose; without `auth` it is open. Raises
+        `Unauthorized` (401, OpenAI-shaped, no metric text)."""
+        auth = self.gw.runtime.config.auth
+        if auth is None or auth.public_metrics:
+            return
+        presented = bearer(headers)
+        if presented is not None:
+            # Both compared, whatever matched: constant time in which key it was.
+            ok = False
+            for secret in (auth.metrics_key, auth.admin_key):
+                if secret and hmac.compare_digest(secret.encode(), presented):
+                    ok = True
+            if ok:
+                return
+        raise Unauthorized(
+            "/metrics needs the metrics key or the admin key: send 'Authorization: Bearer <key>'."
+        )
+
     async def metrics(self, request: web.BaseRequest) -> web.StreamResponse:
-        # OpenMetrics (with exemplars) when the scraper asks for it, else the classic text.
+        self.authenticate_scrape(request.headers)
+        # OpenMetrics (with exemplars, if on) when the scraper asks for it, else classic text.
         body, content_type = self.gw.metrics.exposition(request.headers.get("Accept"))
         resp = web.Response(body=body)
         resp.headers["Content-Type"] = content_type

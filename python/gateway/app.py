@@ -55,7 +55,7 @@ from gateway.exchange import Exchange
 from gateway.forward import AttemptError, Forwarder, UpstreamBody
 from gateway.limits import estimate_tokens
 from gateway.messages import ENDPOINTS, Endpoint, parse_request
-from gateway.metrics import Metrics
+from gateway.metrics import NO_KEY, Metrics
 from gateway.pool import Pool
 from gateway.redact import REDACTOR, secrets_of
 from gateway.responses import NOSNIFF, answer_of, error_response
@@ -173,6 +173,8 @@ class Gateway:
             self._routes[("POST", path)] = self._proxy_handler(endpoint)
         self.keys = KeyRing(config)
         self.metrics = Metrics(lambda: self.runtime)
+        self.metrics.keep_keys(t.name for t in self.keys.tenants)
+        self.metrics.exemplars = config.telemetry.exemplars
         # SPEC §14: the Batch API (`/v1/files`, `/v1/batches`; ids matched in `handle`).
         self.batch = BatchService(self)
         self._routes.update(self.batch.api.routes())
@@ -363,6 +365,7 @@ class Gateway:
         if self.draining:
             raise _draining("The gateway is shutting down.")
         tenant = self.keys.authenticate(request.headers)
+        ex.key_name = tenant.name if tenant.index else None  # index 0: no key (auth off)
         raw = await self._read_body(request, ex.watchdog)
         data = parse_request(raw, endpoint)
         del raw  # SPEC §16: a queued request holds one copy of its bytes, not three
@@ -388,6 +391,7 @@ class Gateway:
         task = asyncio.current_task(loop)
         assert task is not None
         ex = Exchange(request_id, time.monotonic(), Watchdog(loop, task), source="batch")
+        ex.key_name = tenant.name if tenant.index else None
         resp: web.StreamResponse
         try:
             if self.draining:
@@ -437,7 +441,7 @@ class Gateway:
             # SPEC §15: the key affinity pools place the request by (its session or prefix).
             ex.affinity_key = affinity_key(headers, data, router.affinity_prefix_chars)
         if ex.span is not None:
-            ex.span.routed(alias)
+            ex.span.routed(alias, data)
         body = _upstream_body(data)
         limits = tenant.limits
         held = self._hold(body.size)
@@ -573,7 +577,9 @@ class Gateway:
             ex.instance = up.name
             aspan = None
             if ex.span is not None:
-                aspan = ex.span.attempt(ex.attempts, pool.name, up.name, up.model, up.base_url)
+                aspan = ex.span.attempt(
+                    ex.attempts, pool.name, up.name, up.model, up.base_url, up.provider
+                )
                 ex.trace_headers = aspan.header
             result = await self.forwarder.attempt(request, ex, endpoint, body, pool, idx, ticket)
             if aspan is not None:
@@ -638,7 +644,8 @@ class Gateway:
 
     def _observe(self, ex: Exchange) -> None:
         d = ex.decision
-        self.metrics.request_done(ex.pool or (d.pool if d else None), ex.priority_label, ex.status)
+        pool = ex.pool or (d.pool if d else None)
+        self.metrics.request_done(pool, ex.priority_label, ex.status, ex.key_name or NO_KEY)
         if ex.span is not None:
             ex.span.end(ex)
 
@@ -649,6 +656,7 @@ class Gateway:
         if not logging_on and not self.events:
             return
         d = ex.decision
+        usage = ex.usage or {}
         event = RequestFinished(
             id=ex.request_id,
             pool=ex.pool,
@@ -663,6 +671,10 @@ class Gateway:
             error=ex.error,
             total_ms=round((time.monotonic() - ex.started) * 1000, 1),
             source=ex.source,
+            # SPEC §9: operators bill and throttle by key — its name, never the key itself.
+            key=ex.key_name,
+            prompt_tokens=_count(usage.get("prompt_tokens")),
+            completion_tokens=_count(usage.get("completion_tokens")),
         )
         if logging_on:
             access_log.info("request", extra={"fields": event.fields()})
@@ -672,6 +684,11 @@ class Gateway:
 def _draining(message: str) -> Draining:
     """SPEC §7 "SIGTERM drains": what a request the drain leaves unserved is answered."""
     return Draining(message, retry_after_ms=DEFAULT_RETRY_AFTER_MS)
+
+
+def _count(value: Any) -> int | None:
+    """A token count from an upstream's `usage`, if it is one (a non-negative int)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _upstream_body(data: dict[str, Any]) -> UpstreamBody:

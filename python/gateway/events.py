@@ -39,6 +39,11 @@ class RequestFinished:
     total_ms: float
     # "http", or "batch" for a Batch API line (SPEC §14: marked as such in the access log).
     source: str = "http"
+    # The client key's configured name (`auth.keys[].name`; None: no key) — never the key.
+    key: str | None = None
+    # Tokens the upstream's `usage` reported for the answer (None: it reported none).
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
     at: float = field(default_factory=time.time)
 
     def fields(self) -> dict[str, Any]:

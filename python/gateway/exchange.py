@@ -54,6 +54,9 @@ class Exchange:
     affinity: str = "none"
     # Who asked: "http" (a client), or "batch" (a Batch API line run by the gateway itself).
     source: str = "http"
+    # The name (`auth.keys[].name`, never the key) of the client key that made the request;
+    # None without auth or before a key was recognised. Per-key metrics and the access log.
+    key_name: str | None = None
     # Tracing (gateway.telemetry), when on: the request's span, its trace id when sampled
     # (exemplars, log line), and the trace-context header lines for the current attempt.
     span: RequestSpan | None = None

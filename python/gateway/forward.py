@@ -38,12 +38,13 @@ from gateway.deadline import Watchdog
 from gateway.exchange import Attempt, Exchange
 from gateway.http1 import BodyTooLarge, Response
 from gateway.messages import Endpoint
-from gateway.metrics import Metrics
+from gateway.metrics import NO_KEY, Metrics
 from gateway.pool import Pool
 from gateway.redact import Redactor
 from gateway.responses import NOSNIFF, sse_error_event
 from gateway.runtime import Runtime
 from gateway.sse import MalformedEvent, SseChecker
+from gateway.telemetry import finish_reasons
 from gateway.upstream import AttemptError, Upstream
 
 __all__ = [
@@ -371,6 +372,8 @@ class Forwarder:
             raise AttemptError(f"{upstream.name}: {exc}", status=status) from None
         if err is not None:
             raise AttemptError(f"{upstream.name}: {self._scrub(upstream, err)}", status=status)
+        if ex.span is not None and ex.span.recording:
+            ex.span.finish_reasons = finish_reasons(raw)  # gen_ai.response.finish_reasons
         # Always JSON, whatever the upstream labelled it: the gateway's origin never serves
         # an upstream's text/html.
         return web.Response(status=status, body=raw, content_type=_JSON, headers=ex.headers())
@@ -393,7 +396,9 @@ class Forwarder:
             ex.upstream_ms += elapsed * 1000
             self._metrics.attempt(pool.name, upstream.name, att.ttfb, elapsed, ex.trace_id)
             if att.usage is not None and outcome is Outcome.SUCCESS:
-                self._metrics.used_tokens(pool.name, upstream.name, att.usage)
+                self._metrics.used_tokens(
+                    pool.name, upstream.name, att.usage, ex.key_name or NO_KEY
+                )
         except Exception:
             log.exception("attempt bookkeeping failed")
 
@@ -412,6 +417,8 @@ class Forwarder:
         error event."""
         config = self._runtime().config
         checker = SseChecker(config.limits.max_event_bytes)
+        if ex.span is not None and ex.span.recording:
+            checker.finish_reasons = []  # gen_ai.response.finish_reasons, read as events pass
         idle = config.timeouts.stream_idle_ms / 1000
         src = _Source(resp_up, upstream, checker, ex.watchdog, idle, deadline)
         try:
@@ -437,6 +444,8 @@ class Forwarder:
         except Exception as exc:
             failure = _stream_failure(ex, exc)
         att.usage = checker.usage
+        if ex.span is not None and checker.finish_reasons:
+            ex.span.finish_reasons = checker.finish_reasons
         return resp, await _end_stream(ex, att, resp, checker, failure)
 
     async def _relay_after_first(

@@ -7,13 +7,16 @@ per request and can never drift from the scheduler's own counters.
 
 Labels are bounded: pool and instance names come from the config, priority and state from
 the core's enums, `code` is an HTTP status, `reason` one of a fixed set, `kind` prompt or
-completion. No key, prompt, URL or client-chosen string ever becomes a label.
+completion, `key` a configured client key's *name* (`auth.keys[].name`) or `none`. No key,
+prompt, URL or client-chosen string ever becomes a label.
 
-When tracing is on (`gateway.telemetry`), the latency histograms — queue wait, upstream
-latency, time to first byte — carry the sampled request's trace id as an OpenMetrics exemplar
-(`{trace_id="..."}`); they show in the OpenMetrics exposition, which `exposition(accept)`
-answers to a scraper that asks for `application/openmetrics-text` (Prometheus does when
-exemplar storage is on). The classic text format has no exemplars and stays the default.
+When tracing is on (`gateway.telemetry`) and `telemetry.exemplars: true`, the latency
+histograms — queue wait, upstream latency, time to first byte — carry the sampled request's
+trace id as an OpenMetrics exemplar (`{trace_id="..."}`); they show in the OpenMetrics
+exposition, which `exposition(accept)` answers to a scraper that asks for
+`application/openmetrics-text` (Prometheus does when exemplar storage is on). Off by default:
+an exemplar is some tenant's trace id, readable by whoever scrapes. The classic text format
+has no exemplars and stays the default.
 
 SPEC §12 (`--workers N`): every worker answers `/metrics` for the whole gateway. The state
 gauges already do (each worker reads the shared region). Counters and histograms stay
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -50,7 +53,10 @@ from gateway import __version__
 if TYPE_CHECKING:
     from gateway.runtime import Runtime
 
-__all__ = ["CONTENT_TYPE", "OPENMETRICS_CONTENT_TYPE", "Metrics"]
+__all__ = ["CONTENT_TYPE", "NO_KEY", "OPENMETRICS_CONTENT_TYPE", "Metrics"]
+
+#: The `key` label of requests no configured key made (auth off, or a key missing or unknown).
+NO_KEY = "none"
 
 #: SPEC §12: where the workers' snapshots live (set by the supervisor; None: one process).
 SHARE_DIR = os.environ.get("GATEWAY_METRICS_DIR") or None
@@ -226,6 +232,25 @@ class Metrics:
             ["pool", "instance", "kind"],
             registry=r,
         )
+        # Per client key (operators bill and throttle by key): `key` is the configured key's
+        # *name* (`auth.keys[].name`), `none` without auth or before a key was recognised —
+        # never the key itself. Bounded: only configured names (`keep_keys` prunes the names
+        # a reload removed).
+        self.key_requests = Counter(
+            "gateway_key_requests",
+            "Requests answered, per client key name and HTTP status",
+            ["key", "code"],
+            registry=r,
+        )
+        self.key_tokens = Counter(
+            "gateway_key_tokens",
+            "Tokens reported by upstream usage, per client key name",
+            ["key", "kind"],
+            registry=r,
+        )
+        #: OpenMetrics exemplars (`telemetry.exemplars`): off unless asked for — a trace id on a
+        #: bucket is another tenant's, readable by whoever scrapes.
+        self.exemplars = False
         self.reloads = Counter(
             "gateway_config_reloads", "Config reloads by result", ["result"], registry=r
         )
@@ -270,14 +295,34 @@ class Metrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
-    def request_done(self, pool: str | None, priority: str | None, status: int) -> None:
-        self._child(self.requests, pool or "", priority or "", str(status)).inc()
+    def request_done(
+        self, pool: str | None, priority: str | None, status: int, key: str = NO_KEY
+    ) -> None:
+        """One answered request; `key` is the caller's key *name* (`NO_KEY` when none)."""
+        code = str(status)
+        self._child(self.requests, pool or "", priority or "", code).inc()
+        self._child(self.key_requests, key, code).inc()
+
+    def keep_keys(self, names: Iterable[str]) -> None:
+        """The configured key names (at start and after each reload): their token series are
+        there from the start (at 0, so rates work), and the series of names no longer
+        configured are dropped — the `key` label stays bounded by the config."""
+        keep = {*names, NO_KEY}
+        for metric in (self.key_requests, self.key_tokens):
+            for labels in _label_sets(metric):
+                if labels[0] not in keep:
+                    with contextlib.suppress(KeyError):
+                        metric.remove(*labels)
+                    self._children.pop((id(metric), *labels), None)
+        for name in keep:
+            for kind in ("prompt", "completion"):
+                self._child(self.key_tokens, name, kind)
 
     def waited(self, pool: str, priority: str, seconds: float, trace_id: str | None = None) -> None:
         """A slot grant after `seconds` in the queue; `trace_id` (hex, of a sampled trace)
         becomes the bucket's exemplar."""
         child = self._child(self.queue_wait, pool, priority)
-        if trace_id is None:
+        if trace_id is None or not self.exemplars:
             child.observe(seconds)
         else:
             child.observe(seconds, {"trace_id": trace_id})
@@ -292,7 +337,7 @@ class Metrics:
     ) -> None:
         """One finished attempt; `trace_id` (hex, of a sampled trace) becomes the exemplar of
         both histograms' buckets."""
-        if trace_id is None:
+        if trace_id is None or not self.exemplars:
             if ttfb is not None:
                 self._child(self.ttfb, pool, instance).observe(ttfb)
             self._child(self.upstream_latency, pool, instance).observe(total)
@@ -309,11 +354,15 @@ class Metrics:
         if reason in REASONS:
             self._child(self.rejections, reason).inc()
 
-    def used_tokens(self, pool: str, instance: str, usage: dict[str, Any]) -> None:
+    def used_tokens(
+        self, pool: str, instance: str, usage: dict[str, Any], key: str = NO_KEY
+    ) -> None:
+        """An attempt's upstream `usage`, counted per instance and per client key name."""
         for kind in ("prompt", "completion"):
             n = usage.get(f"{kind}_tokens")
             if isinstance(n, int) and n > 0:
                 self._child(self.tokens, pool, instance, kind).inc(n)
+                self._child(self.key_tokens, key, kind).inc(n)
 
     def watch_batches(self, counts: Callable[[], Mapping[str, int]]) -> None:
         """Exposes `gateway_batches{status}` from `counts()` (read at scrape time; with
@@ -440,6 +489,13 @@ def _combine(
         values[key] = min(old, value)
     else:
         values[key] = max(old, value)
+
+
+def _label_sets(metric: Any) -> list[tuple[str, ...]]:
+    """The label values of every child of a labelled metric (prometheus-client keeps them in
+    `_metrics`, under its lock)."""
+    with metric._lock:
+        return list(metric._metrics)
 
 
 def _alive(pid: int) -> bool:

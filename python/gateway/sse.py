@@ -18,6 +18,8 @@ from typing import Any
 
 import msgspec
 
+from gateway.telemetry import add_reasons
+
 __all__ = ["EventTooLarge", "MalformedEvent", "SseChecker"]
 
 
@@ -26,7 +28,18 @@ class _Event(msgspec.Struct):
     error: Any = None
 
 
+class _Choice(msgspec.Struct):
+    finish_reason: Any = None
+
+
+class _TracedEvent(_Event):
+    """An event of a sampled request: its choices' finish reasons are read too."""
+
+    choices: list[_Choice] | None = None
+
+
 _event = msgspec.json.Decoder(_Event)
+_traced_event = msgspec.json.Decoder(_TracedEvent)
 
 
 class MalformedEvent(ValueError):
@@ -61,6 +74,7 @@ class SseChecker:
         "data_events",
         "done",
         "error_seen",
+        "finish_reasons",
         "max_event_bytes",
         "upstream_error",
         "usage",
@@ -78,6 +92,9 @@ class SseChecker:
         # upstream text that must be scrubbed before it leaves).
         self.error_seen = False
         self.data_events = 0
+        #: None: finish reasons are not read (the default: the choices are never decoded). A
+        #: list (a sampled request's trace asks for them): each choice's `finish_reason`.
+        self.finish_reasons: list[str] | None = None
 
     def feed(self, chunk: bytes) -> bytes:
         """Returns the complete events in `chunk` (with any carried-over start), ready to send;
@@ -159,13 +176,15 @@ class SseChecker:
             try:
                 # The whole payload's syntax is checked; only `usage` and `error` become
                 # Python objects (the choices are skipped, which is most of the cost saved).
-                obj = _event.decode(payload)
+                obj = (_event if self.finish_reasons is None else _traced_event).decode(payload)
             except msgspec.ValidationError:
                 continue  # JSON, but not an object: nothing for us in it
             except msgspec.DecodeError:
                 raise MalformedEvent("a stream event was not JSON") from None
             if obj.usage:
                 self.usage = obj.usage
+            if isinstance(obj, _TracedEvent) and obj.choices:
+                add_reasons(self.finish_reasons, (c.finish_reason for c in obj.choices))
             if obj.error is not None:
                 err = obj.error
                 msg = err.get("message") if isinstance(err, dict) else err

@@ -5,9 +5,21 @@ or the standard `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` / `OTEL_EXPORTER_OTLP_ENDPO
 and only then, the OpenTelemetry SDK is imported (the `otel` extra: `pip install gateway[otel]`)
 and spans go out over OTLP/HTTP (protobuf) from a `BatchSpanProcessor`: a request only appends
 its finished spans to an in-memory queue; export happens on the processor's thread and, when
-the collector is slow or down, spans are dropped, never waited for. Sampling is
-`ParentBased(TraceIdRatioBased(sample_ratio))`: a client's sampled `traceparent` is honoured,
-otherwise `sample_ratio` of the new traces are kept.
+the collector is slow or down, spans are dropped, never waited for.
+
+Sampling: `sample_ratio` of the requests are kept, whatever the client sent. A client's
+`traceparent` still makes the request span its child (same trace id), but its sampled flag
+decides nothing — and neither does its trace id: for a request with a client parent the
+decision is a fresh random draw, so a client cannot pick ids that always pass the ratio. An
+operator whose clients are trusted sets `telemetry.respect_client_sampling: true`: then the
+client's flag decides (`ParentBased(TraceIdRatioBased(sample_ratio))`), as W3C Trace Context
+intends between parties that trust each other.
+
+What the upstream receives (`traceparent` on every attempt, either way): the client's trace id
+(or a new one), the gateway's span id, and the gateway's own decision as the flag — a sampled
+request's attempt span with `01`; a request the gateway does not sample carries `00` and the id
+of the gateway's (unrecorded) request span, so an upstream that samples by its parent does not
+export either, and the trace id still ties the upstream's logs to the client's.
 
 When tracing is off the request path pays one `is None` test per hook site and nothing else:
 this module imports nothing from OpenTelemetry at import time, so `opentelemetry` is never
@@ -23,26 +35,36 @@ semantic conventions):
       attempt ...
 
 Never a key, a prompt, a header value or any other client-chosen free text in a span: names
-and attributes are built from the config (pool, instance, alias, upstream model and host), the
-router's decision, counts, times, status codes and fixed error codes. The alias enters the span
-name only once the router accepted it (an unknown model name is never recorded).
+and attributes are built from the config (pool, instance, alias, upstream model and host,
+provider), the router's decision, counts, times, status codes, fixed error codes, the
+request's numeric `max_tokens` / `temperature` and the upstream's finish reasons (short
+identifiers). The alias enters the span name only once the router accepted it (an unknown
+model name is never recorded).
+
+GenAI attributes (semantic conventions): `gen_ai.operation.name`, `gen_ai.provider.name` (the
+instance's `provider`), `gen_ai.request.model`, `gen_ai.request.max_tokens`,
+`gen_ai.request.temperature`, `gen_ai.response.model`, `gen_ai.response.finish_reasons` (from
+the answer's choices, streamed or not), `gen_ai.usage.input_tokens` / `output_tokens`.
 
 How the gateway uses it (each call behind `if ... is not None`):
 
     tracing = telemetry.setup(config)                      # Gateway.__init__, once
     span = tracing.request(request.headers, request.path)  # start of Gateway.proxy
-    span.routed(alias)                                     # after the router's decision
+    span.routed(alias, data)                               # after the router's decision
     q = span.queue(pool_name)                              # before pool.acquire
     q.fail("no_healthy_instance")                          # in the branch that `break`s
     q.end(priority_label, waited_s)                        # in the acquisition's `finally`
-    a = span.attempt(n, pool, instance, upstream_model, base_url)  # before forwarding
+    a = span.attempt(n, pool, instance, upstream_model, base_url, provider)  # before forwarding
     upstream.open(path, body, a.header)                    # traceparent to the upstream
+    span.finish_reasons = finish_reasons(raw)              # a sampled answer (a stream's: the
+                                                           # SSE checker's `finish_reasons`)
     a.end(result, ex)                                      # after Forwarder.attempt
     span.end(ex)                                           # with the request's metrics
     await tracing.close()                                  # Gateway.close (flushes)
 
-`span.trace_id` is the trace id in hex when the request is sampled, else `None`: the latency
-histograms carry it as an OpenMetrics exemplar (`Metrics.attempt(..., trace_id=...)`).
+`span.trace_id` is the trace id in hex when the request is sampled, else `None`: with
+`telemetry.exemplars: true` the latency histograms carry it as an OpenMetrics exemplar
+(`Metrics.attempt(..., trace_id=...)`).
 """
 
 from __future__ import annotations
@@ -50,13 +72,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
+import random
 import re
 import sys
 import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
+
+import msgspec
 
 from gateway import __version__
 
@@ -71,6 +97,7 @@ __all__ = [
     "Tracing",
     "TracingUnavailable",
     "describe",
+    "finish_reasons",
     "otlp_settings",
     "setup",
 ]
@@ -171,7 +198,14 @@ def setup(
         return None
     url, service, ratio = settings
     try:
-        return Tracing(url, service, ratio, exporter=exporter, schedule_delay_ms=schedule_delay_ms)
+        return Tracing(
+            url,
+            service,
+            ratio,
+            exporter=exporter,
+            schedule_delay_ms=schedule_delay_ms,
+            respect_client_sampling=config.telemetry.respect_client_sampling,
+        )
     except TracingUnavailable as exc:
         log.warning("tracing off", extra={"fields": {"reason": str(exc)}})
         return None
@@ -193,6 +227,7 @@ class Tracing:
         *,
         exporter: Any = None,
         schedule_delay_ms: int | None = None,
+        respect_client_sampling: bool = False,
     ) -> None:
         try:
             from opentelemetry.context import Context
@@ -219,10 +254,20 @@ class Tracing:
         self.endpoint = endpoint
         self.service_name = service_name
         self.sample_ratio = sample_ratio
+        self.respect_client_sampling = respect_client_sampling
         resource = Resource.create({"service.name": service_name, "service.version": __version__})
-        self.provider = TracerProvider(
-            sampler=ParentBased(TraceIdRatioBased(sample_ratio)), resource=resource
-        )
+        ratio = TraceIdRatioBased(sample_ratio)
+        if respect_client_sampling:
+            # The client's sampled flag decides for its requests; sample_ratio for the rest.
+            sampler = ParentBased(ratio)
+        else:
+            # SPEC §9: sample_ratio rules — a client's sampled `traceparent` cannot force an
+            # export (nor can its choice of trace id: a fresh draw decides those requests).
+            chance = _chance_sampler(sample_ratio)
+            sampler = ParentBased(
+                ratio, remote_parent_sampled=chance, remote_parent_not_sampled=chance
+            )
+        self.provider = TracerProvider(sampler=sampler, resource=resource)
         batch: dict[str, Any] = {}
         if schedule_delay_ms is not None:
             batch["schedule_delay_millis"] = schedule_delay_ms
@@ -318,8 +363,11 @@ class RequestSpan:
         "_ctx",
         "_ended",
         "_op",
+        "_provider",
         "_queue",
+        "_request_attrs",
         "_upstream_model",
+        "finish_reasons",
         "recording",
         "span",
         "t",
@@ -339,6 +387,11 @@ class RequestSpan:
         self._queue: QueueSpan | None = None
         self._attempt: AttemptSpan | None = None
         self._upstream_model: str | None = None
+        self._provider: str | None = None
+        self._request_attrs: dict[str, Any] = {}
+        #: The answer's finish reasons, one per choice (set by the forwarder for a sampled
+        #: request: `finish_reasons(body)`, or a stream's `SseChecker.finish_reasons`).
+        self.finish_reasons: list[str] | None = None
         self._ended = False
 
     def _parent(self) -> Any:
@@ -347,13 +400,19 @@ class RequestSpan:
             ctx = self._ctx = self.t._in_context(self.span)
         return ctx
 
-    def routed(self, alias: str) -> None:
+    def routed(self, alias: str, request: Mapping[str, Any] | None = None) -> None:
         """The router accepted `alias` (a configured model alias): the span is renamed
-        `{operation} {alias}` and gets `gen_ai.request.model`. Call it only after the router
-        decided: an unknown model name never enters a span."""
+        `{operation} {alias}` and gets `gen_ai.request.model`, and — from the parsed body
+        `request` — `gen_ai.request.max_tokens` and `gen_ai.request.temperature` when they are
+        numbers (the attempts get them too). Call it only after the router decided: an unknown
+        model name never enters a span."""
         if self.recording:
-            self.span.update_name(f"{self._op} {alias}")
-            self.span.set_attribute("gen_ai.request.model", alias)
+            try:
+                self.span.update_name(f"{self._op} {alias}")
+                self._request_attrs = _request_attrs(request)
+                self.span.set_attributes({"gen_ai.request.model": alias, **self._request_attrs})
+            except Exception:  # never into the request path
+                log.debug("request span failed", exc_info=True)
 
     def queue(self, pool: str) -> QueueSpan:
         """Starts the `queue` span of one slot acquisition in `pool`."""
@@ -362,11 +421,17 @@ class RequestSpan:
         return q
 
     def attempt(
-        self, n: int, pool: str, instance: str, upstream_model: str, url: str
+        self,
+        n: int,
+        pool: str,
+        instance: str,
+        upstream_model: str,
+        url: str,
+        provider: str | None = None,
     ) -> AttemptSpan:
-        """Starts the CLIENT span of attempt `n` (1-based) on `instance` (base URL `url`);
-        its `header` goes to the upstream."""
-        a = AttemptSpan(self, n, pool, instance, upstream_model, url)
+        """Starts the CLIENT span of attempt `n` (1-based) on `instance` (base URL `url`,
+        the instance's configured `provider`); its `header` goes to the upstream."""
+        a = AttemptSpan(self, n, pool, instance, upstream_model, url, provider)
         self._attempt = a
         return a
 
@@ -404,8 +469,12 @@ class RequestSpan:
                 attrs["gateway.spilled_from"] = ex.spilled_from
             if ex.instance is not None:
                 attrs["gateway.instance"] = ex.instance
+                if self._provider is not None:
+                    attrs["gen_ai.provider.name"] = self._provider
                 if self._upstream_model is not None and status < 400:
                     attrs["gen_ai.response.model"] = self._upstream_model
+                if self.finish_reasons and status < 400:
+                    attrs["gen_ai.response.finish_reasons"] = self.finish_reasons
             _add_usage(attrs, ex.usage)
             span = self.span
             # HTTP server spans: a 5xx is the gateway's failure, a 4xx the client's (an
@@ -491,29 +560,39 @@ class AttemptSpan:
     __slots__ = ("_req", "ended", "header", "span")
 
     def __init__(
-        self, req: RequestSpan, n: int, pool: str, instance: str, upstream_model: str, url: str
+        self,
+        req: RequestSpan,
+        n: int,
+        pool: str,
+        instance: str,
+        upstream_model: str,
+        url: str,
+        provider: str | None = None,
     ) -> None:
         self._req = req
         self.ended = False
         req._upstream_model = upstream_model
+        req._provider = provider
+        req.finish_reasons = None  # this attempt's answer, not a previous one's
         t = req.t
         span: Any
         self.span: Any
         if req.recording:
             host, port = t.server_of(url)
+            attrs: dict[str, Any] = {
+                "gen_ai.operation.name": req._op,
+                "gen_ai.request.model": upstream_model,
+                **req._request_attrs,
+                "server.address": host,
+                "server.port": port,
+                "gateway.attempt": n,
+                "gateway.pool": pool,
+                "gateway.instance": instance,
+            }
+            if provider is not None:
+                attrs["gen_ai.provider.name"] = provider
             span = self.span = t.tracer.start_span(
-                "attempt",
-                context=req._parent(),
-                kind=t.CLIENT,
-                attributes={
-                    "gen_ai.operation.name": req._op,
-                    "gen_ai.request.model": upstream_model,
-                    "server.address": host,
-                    "server.port": port,
-                    "gateway.attempt": n,
-                    "gateway.pool": pool,
-                    "gateway.instance": instance,
-                },
+                "attempt", context=req._parent(), kind=t.CLIENT, attributes=attrs
             )
         else:
             # Not sampled: no child span; the upstream still learns the trace and that it is
@@ -561,6 +640,8 @@ class AttemptSpan:
             if error is None:
                 _add_usage(attrs, ex.usage)
                 attrs["gen_ai.response.model"] = self._req._upstream_model
+                if self._req.finish_reasons:
+                    attrs["gen_ai.response.finish_reasons"] = self._req.finish_reasons
             else:
                 attrs["error.type"] = error
                 span.set_status(self._req.t._error)
@@ -616,3 +697,91 @@ def _add_usage(attrs: dict[str, Any], usage: Mapping[str, Any] | None) -> None:
     n = usage.get("completion_tokens")
     if isinstance(n, int):
         attrs["gen_ai.usage.output_tokens"] = n
+
+
+def _chance_sampler(ratio: float) -> Any:
+    """A sampler keeping `ratio` of the spans it is asked about by a random draw, whatever the
+    trace id (a client's `traceparent` chooses that one). Built on first use: OpenTelemetry is
+    imported only when tracing is on."""
+    from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
+    from opentelemetry.trace import get_current_span
+
+    class Chance(Sampler):
+        def should_sample(
+            self,
+            parent_context: Any,
+            trace_id: int,
+            name: str,
+            kind: Any = None,
+            attributes: Any = None,
+            links: Any = None,
+            trace_state: Any = None,
+        ) -> SamplingResult:
+            keep = ratio > 0.0 and random.random() < ratio
+            state = get_current_span(parent_context).get_span_context().trace_state
+            if keep:
+                return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes, state)
+            return SamplingResult(Decision.DROP, None, state)
+
+        def get_description(self) -> str:
+            return f"Chance{{{ratio}}}"
+
+    return Chance()
+
+
+# ---------------------------------------------------------------------------------------------
+# GenAI request and response attributes.
+
+#: At most this many finish reasons (one per choice) of at most this many characters each: an
+#: upstream's answer cannot make a span grow without bound.
+_MAX_REASONS: Final = 16
+_MAX_REASON_CHARS: Final = 64
+
+
+class _Choice(msgspec.Struct):
+    finish_reason: Any = None
+
+
+class _Choices(msgspec.Struct):
+    choices: list[_Choice] | None = None
+
+
+_choices = msgspec.json.Decoder(_Choices)
+
+
+def finish_reasons(body: bytes) -> list[str] | None:
+    """The `finish_reason` of each choice of a complete (non-streamed) answer, or None when it
+    has none (or is no JSON object of that shape). Parsed only for sampled requests."""
+    try:
+        doc = _choices.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return add_reasons(None, (c.finish_reason for c in doc.choices or ()))
+
+
+def add_reasons(reasons: list[str] | None, found: Any) -> list[str] | None:
+    """`reasons` with the string reasons in `found` appended (bounded; see `_MAX_REASONS`)."""
+    for reason in found:
+        if isinstance(reason, str) and reason:
+            if reasons is None:
+                reasons = []
+            if len(reasons) < _MAX_REASONS:
+                reasons.append(reason[:_MAX_REASON_CHARS])
+    return reasons
+
+
+def _request_attrs(data: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`gen_ai.request.max_tokens` / `temperature` of a request body, when they are numbers
+    (nothing else of the body is read)."""
+    out: dict[str, Any] = {}
+    if data is None:
+        return out
+    limit = data.get("max_tokens")
+    if limit is None:
+        limit = data.get("max_completion_tokens")
+    if isinstance(limit, int) and not isinstance(limit, bool) and 0 <= limit < 2**63:
+        out["gen_ai.request.max_tokens"] = limit
+    temp = data.get("temperature")
+    if isinstance(temp, (int, float)) and not isinstance(temp, bool) and math.isfinite(temp):
+        out["gen_ai.request.temperature"] = float(temp)
+    return out
