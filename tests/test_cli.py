@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -11,10 +13,13 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 
+from gateway.config import Config
 from support import MockFactory, eventually
 
 GATEWAY = [sys.executable, "-m", "gateway.cli"]
@@ -255,3 +260,236 @@ async def test_sigterm_past_the_drain_deadline_answers_everyone(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# SPEC §18: `gateway check` reports every error in one run and summarises every section;
+# `gateway schema` prints the config's JSON Schema.
+
+
+def test_check_reports_every_error_in_one_run(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        textwrap.dedent(
+            """\
+            scheduler:
+              high: {capacity: -5}
+            balancer: sticky
+            pools:
+              light:
+                spil_to: heavy
+                instances:
+                  - {name: a, url: "http://127.0.0.1:9/v1", model: m, max_concurrency: 4}
+              heavy:
+                instances:
+                  - {name: b, model: big, max_concurrency: 8}
+            models:
+              lite: {pool: light}
+              pro: {pool: hevy}
+            """
+        )
+    )
+    out = subprocess.run([*GATEWAY, "check", str(path)], capture_output=True, text=True)
+    assert out.returncode == 2
+    lines = out.stderr.splitlines()
+    assert lines == [
+        "config error: scheduler.high.capacity: Expected `int` >= 1",
+        "config error: balancer: invalid value 'sticky'; expected one of: "
+        "least_connections, round_robin, random, p2c, affinity",
+        "config error: pools.light.spil_to: unknown field; did you mean `spill_to`?",
+        "config error: pools.heavy.instances[0].url: required field is missing",
+        "config error: models.pro.pool: unknown pool 'hevy'; did you mean 'heavy'?",
+        f"5 errors in {path}",
+    ], out.stderr
+    assert out.stdout == ""
+
+
+def test_check_summarises_every_section_without_secrets(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(
+        textwrap.dedent(
+            """\
+            limits: {max_event_bytes: 4096}
+            shutdown: {drain_delay_ms: 1500}
+            pools:
+              light:
+                balancer: p2c
+                spill_to: heavy
+                spill_queue_depth: 10
+                instances:
+                  - {name: a, url: "http://127.0.0.1:9/v1", model: m, max_concurrency: 4}
+              heavy:
+                fallback: light
+                instances:
+                  - {name: b, url: "https://api.example.com/v1", model: big, max_concurrency: 8,
+                     api_key: "${UPSTREAM_KEY}", provider: vllm}
+            models:
+              lite: {pool: light}
+              pro: {pool: heavy}
+            auth:
+              admin_key: "${UPSTREAM_KEY}-admin"
+              keys:
+                - {key: "${UPSTREAM_KEY}-free", name: free, priority: low, rpm: 60, tpm: 9000,
+                   routes: {pro: lite}}
+            telemetry: {otlp_endpoint: "http://otel:${UPSTREAM_KEY}@collector:4318",
+                        sample_ratio: 0.25}
+            batch: {store: "postgresql://gw:${UPSTREAM_KEY}@db:5432/gw", max_lines: 100}
+            cluster: {redis_url: "redis://:${UPSTREAM_KEY}@redis:6379/0", replica_id: r1}
+            """
+        )
+    )
+    env = {**os.environ, "UPSTREAM_KEY": "sk-canary-0123456789"}
+    out = subprocess.run([*GATEWAY, "check", str(path)], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "sk-canary" not in text + out.stderr
+    for expected in (
+        # pools → instances
+        "light  (balancer=p2c, fallback=-, 1 instance(s), 4 slots, spill_to=heavy at depth 10)",
+        "max_concurrency=8  provider=vllm  api_key: set",
+        # aliases → pools
+        "pro   → pool heavy (fallback → light)",
+        # auth and the tier routes (never a key)
+        "admin_key: set",
+        "free: key: set  priority=low rpm=60 tpm=9000",
+        "route pro → lite  (pool light)",
+        # limits, shutdown
+        "max_event_bytes=4096",
+        "drain_delay_ms=1500 drain_timeout_ms=25000",
+        # telemetry: the endpoint without its credentials
+        "telemetry   OTLP/HTTP http://collector:4318 service=gateway sample_ratio=0.25",
+        # batch: a PostgreSQL store without its password
+        "batch       store=postgresql://gw:***@db:5432/gw max_file_bytes=209715200 max_lines=100",
+        # cluster: the Redis URL without its password
+        "cluster     redis=redis://:***@redis:6379/0 replica_id=r1 lease_ms=2000 renew_ms=200",
+        "routing     complexity simple=- complex=- default=simple",
+    ):
+        assert expected in text, f"{expected!r} not in:\n{text}"
+    assert "per host" not in text  # a PostgreSQL store is shared across replicas
+    # SPEC §14: `cluster:` with a SQLite store serves batches per host, and check says so
+    path.write_text(path.read_text().replace("postgresql://gw:${UPSTREAM_KEY}@db:5432/gw", "b.db"))
+    out = subprocess.run([*GATEWAY, "check", str(path)], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "store=b.db" in out.stdout and "batches are served per host" in out.stdout
+
+
+def test_check_of_a_minimal_config_says_what_is_off(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(
+        "pools: {light: {instances: [{name: a, url: 'http://h:1/v1', model: m, "
+        "max_concurrency: 1}]}}\nmodels: {lite: {pool: light}}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run([*GATEWAY, "check", str(path)], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    for expected in (
+        "auth        off",
+        "telemetry   off",
+        "cluster     off",
+        "batch       store=./gateway-batches.db",
+        "limits      header_timeout_ms=10000",
+    ):
+        assert expected in out.stdout, out.stdout
+
+
+def _validate(instance: Any, schema: dict[str, Any], root: dict[str, Any], at: str = "") -> None:
+    """A small JSON Schema validator: the keywords `gateway schema` uses, no more (the
+    `jsonschema` package is not a dependency). Raises AssertionError naming the place."""
+    if "$ref" in schema:
+        schema = root["$defs"][schema["$ref"].removeprefix("#/$defs/")]
+    if "anyOf" in schema:
+        for option in schema["anyOf"]:
+            try:
+                _validate(instance, option, root, at)
+            except AssertionError:
+                continue
+            return
+        raise AssertionError(f"{at}: {instance!r} matches none of {schema['anyOf']}")
+    if "enum" in schema:
+        assert instance in schema["enum"], f"{at}: {instance!r} not in {schema['enum']}"
+    types = {
+        "object": dict,
+        "array": list,
+        "string": str,
+        "integer": int,
+        "number": (int, float),
+        "boolean": bool,
+        "null": type(None),
+    }
+    if "type" in schema:
+        assert isinstance(instance, types[schema["type"]]), f"{at}: {instance!r} not {schema}"
+        assert schema["type"] == "boolean" or not isinstance(instance, bool), at
+    if "minimum" in schema:
+        assert instance >= schema["minimum"], f"{at}: {instance} < {schema['minimum']}"
+    if "maximum" in schema:
+        assert instance <= schema["maximum"], f"{at}: {instance} > {schema['maximum']}"
+    if "pattern" in schema:
+        assert re.search(schema["pattern"], instance), f"{at}: {instance!r} !~ pattern"
+    if isinstance(instance, list) and "items" in schema:
+        for i, item in enumerate(instance):
+            _validate(item, schema["items"], root, f"{at}[{i}]")
+    if isinstance(instance, dict) and schema.get("type") == "object":
+        for name in schema.get("required", []):
+            assert name in instance, f"{at}.{name}: required"
+        props = schema.get("properties", {})
+        extra = schema.get("additionalProperties", True)
+        for key, value in instance.items():
+            if key in props:
+                _validate(value, props[key], root, f"{at}.{key}")
+            else:
+                assert extra is not False, f"{at}.{key}: not allowed"
+                if isinstance(extra, dict):
+                    _validate(value, extra, root, f"{at}.{key}")
+
+
+def test_schema_describes_the_file_for_editors(tmp_path: Path) -> None:
+    from test_config import SPEC_EXAMPLE
+
+    out = subprocess.run([*GATEWAY, "schema"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    schema = json.loads(out.stdout)
+    assert schema["$schema"].startswith("https://json-schema.org/")
+    assert schema["title"] == "gateway configuration"
+    assert set(schema["properties"]) == set(Config.__struct_fields__)
+    for section in ("cluster", "batch", "telemetry", "limits", "shutdown", "auth", "routing"):
+        assert section in schema["properties"]
+    assert schema["required"] == ["pools", "models"]
+    assert schema["additionalProperties"] is False
+    # Secrets are marked for editors (and never carry a default value)
+    instance = schema["$defs"]["InstanceSpec"]["properties"]
+    assert instance["api_key"]["writeOnly"] is True and instance["headers"]["writeOnly"] is True
+    assert schema["$defs"]["Cluster"]["properties"]["redis_url"]["writeOnly"] is True
+    # Bounds come through: an editor flags a zero max_concurrency
+    bound = {"type": "integer", "minimum": 1, "maximum": 2**32 - 1}
+    assert bound in instance["max_concurrency"]["anyOf"]
+
+    # The SPEC's example validates, and so does what the loader accepts beyond the structs'
+    # types: `${VAR}` where a number goes, `realtime`, an empty section, a partial class.
+    data = yaml.safe_load(SPEC_EXAMPLE)
+    _validate(data, schema, schema)
+    loose = yaml.safe_load(
+        SPEC_EXAMPLE.replace("port: 8080", 'port: "${PORT:-8080}"')
+        .replace("default_priority: high", "default_priority: realtime")
+        .replace("  high: {capacity: 200, weight: 7, max_wait_ms: 30000}", "  high: {weight: 5}")
+        .replace("retries: {max_attempts: 3}", "retries:")
+    )
+    assert loose["retries"] is None and loose["listen"]["port"] == "${PORT:-8080}"
+    _validate(loose, schema, schema)
+    # ... and the loader agrees on each of them
+    path = tmp_path / "loose.yaml"
+    path.write_text(yaml.safe_dump(loose))
+    env = {**os.environ, "OPENAI_API_KEY": "k", "QIANFAN_API_KEY": "k"}
+    env |= {"FREE_TIER_KEY": "f", "PAID_TIER_KEY": "p"}
+    checked = subprocess.run([*GATEWAY, "check", str(path)], capture_output=True, env=env)
+    assert checked.returncode == 0, checked.stderr
+
+    # What the schema refuses, an editor flags: a typo, a value out of range, a bad enum.
+    for broken in (
+        {**data, "retries": {"max_attemps": 3}},
+        {**data, "listen": {"port": 70000}},
+        {**data, "balancer": "sticky"},
+        {**data, "listen": {"port": "eighty"}},
+        {k: v for k, v in data.items() if k != "models"},
+    ):
+        with pytest.raises(AssertionError):
+            _validate(broken, schema, schema)

@@ -198,3 +198,37 @@ async def test_enabling_probes_by_reload_starts_probing(
         assert (await _send(gw))[0] == 200
     await gw.wait_state(lambda s: state_of(s) == "healthy")
     await gw.assert_quiet()
+
+
+async def test_a_reload_with_many_errors_reports_them_all_and_changes_nothing(
+    mocks: MockFactory, gateway_factory: GatewayFactory
+) -> None:
+    """SPEC §8/§18: every error of the file in one answer, and the running config stays."""
+    a = await mocks(latency_ms=100)
+    config = simple_config(pool_config((a, 1)))
+    gw = await gateway_factory(config)
+    load = [asyncio.create_task(_send(gw)) for _ in range(3)]
+    await gw.wait_queued(2, 0)
+    broken = copy.deepcopy(config)
+    broken["scheduler"] = {"high": {"capacity": -1}}
+    broken["pools"]["p"]["instances"][0]["max_concurrency"] = 0
+    broken["pools"]["p"]["colour"] = "red"
+    broken["models"]["m2"] = {"pool": "nowhere"}
+    status, body = await gw.reload(broken)
+    assert status == 400 and body["error"]["code"] == "invalid_config"
+    message = body["error"]["message"]
+    assert "4 errors" in message
+    for path in (
+        "scheduler.high.capacity",
+        "pools.p.instances[0].max_concurrency",
+        "pools.p.colour",
+        "models.m2.pool",
+    ):
+        assert path in message, message
+    assert "sk-upstream-secret" not in message
+    assert [s for s, _ in await asyncio.gather(*load)] == [200] * 3
+    state = await gw.state()
+    assert state["pools"]["p"]["instances"][0]["max_concurrency"] == 1
+    assert (await _send(gw))[0] == 200
+    assert 'result="failure"} 1.0' in await _metric(gw, "gateway_config_reloads_total")
+    await gw.assert_quiet()

@@ -1,30 +1,49 @@
-"""`gateway check FILE` (SPEC §10): the resolved routing table and policy summary.
+"""`gateway check FILE` (SPEC §10, §18): every error of the file, or the resolved routing table
+and a summary of every section.
 
-Secrets are never shown: an instance's `api_key`, the admin key and client keys appear only
-as `set` / `unset`, headers by name only, proxies not at all.
+Secrets are never shown: an instance's `api_key`, the admin, metrics and client keys appear
+only as `set` / `unset`, headers by name only, proxies not at all; URLs that may carry a
+password (`cluster.redis_url`, a PostgreSQL `batch.store`) are shown with it masked, the
+telemetry endpoint as scheme, host and port.
 """
 
 from __future__ import annotations
 
-from gateway.config import Config
+from collections.abc import Mapping
+from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["describe"]
+from gateway import telemetry
+from gateway.config import MASK, Config
+from gateway.errors import ConfigError
+
+__all__ = ["describe", "describe_errors", "masked_url"]
 
 _ON_OFF = {True: "on", False: "off"}
 
 
-def describe(config: Config) -> str:
-    """The resolved routing table and policy summary, as `gateway check` prints it."""
+def describe(config: Config, env: Mapping[str, str] | None = None) -> str:
+    """The resolved routing table and a summary of every section, as `gateway check` prints
+    it. `env` (default: the process's) is read for the telemetry endpoint only."""
     lines = [
         *_policy(config),
         *_auth(config),
+        *_operations(config, env),
         "",
         *_models(config),
         "",
         *_pools(config),
         "",
-        _classifier(config),
+        *_routing(config),
     ]
+    return "\n".join(lines) + "\n"
+
+
+def describe_errors(error: ConfigError, source: str) -> str:
+    """SPEC §18: every error of the file `source`, one per line with its field path, then
+    how many."""
+    count = len(error.errors)
+    lines = [f"config error: {e}" for e in error.errors]
+    lines.append(f"{count} error{'s' if count != 1 else ''} in {source}")
     return "\n".join(lines) + "\n"
 
 
@@ -37,7 +56,8 @@ def _policy(c: Config) -> list[str]:
     )
     return [
         f"listen      {c.listen.host}:{c.listen.port}",
-        f"requests    max_body_bytes={c.max_body_bytes} default_priority={c.default_priority}",
+        f"requests    max_body_bytes={c.max_body_bytes} default_priority={c.default_priority} "
+        f"seed={c.seed}",
         f"scheduler   {s.policy}  "
         f"high(capacity={s.high.capacity} weight={s.high.weight} "
         f"max_wait_ms={s.high.max_wait_ms})  "
@@ -59,8 +79,11 @@ def _policy(c: Config) -> list[str]:
         f"timeouts    connect_ms={t.connect_ms} first_byte_ms={t.first_byte_ms} "
         f"stream_idle_ms={t.stream_idle_ms} total_ms={t.total_ms}",
         f"retries     max_attempts={c.retries.max_attempts}",
-        f"clients     header_timeout_ms={lim.header_timeout_ms} "
-        f"body_timeout_ms={lim.body_timeout_ms} keepalive_timeout_ms={lim.keepalive_timeout_ms} "
+        f"limits      header_timeout_ms={lim.header_timeout_ms} "
+        f"body_timeout_ms={lim.body_timeout_ms} keepalive_timeout_ms={lim.keepalive_timeout_ms}",
+        f"            max_buffered_bytes={lim.max_buffered_bytes} "
+        f"max_response_bytes={lim.max_response_bytes} max_event_bytes={lim.max_event_bytes}",
+        f"shutdown    drain_delay_ms={c.shutdown.drain_delay_ms} "
         f"drain_timeout_ms={c.shutdown.drain_timeout_ms}",
     ]
 
@@ -68,8 +91,11 @@ def _policy(c: Config) -> list[str]:
 def _auth(c: Config) -> list[str]:
     if c.auth is None:
         return ["auth        off (no client keys)"]
-    admin = _set_or_unset(c.auth.admin_key)
-    lines = [f"auth        {len(c.auth.keys)} client key(s), admin_key: {admin}"]
+    a = c.auth
+    lines = [
+        f"auth        {len(a.keys)} client key(s), admin_key: {_set_or_unset(a.admin_key)}, "
+        f"metrics_key: {_set_or_unset(a.metrics_key)}, public_metrics: {_ON_OFF[a.public_metrics]}"
+    ]
     for k in c.auth.keys:
         extra = [f"priority={k.priority or c.default_priority}"]
         extra += [f"rpm={k.rpm}"] if k.rpm is not None else []
@@ -142,13 +168,76 @@ def _pools(c: Config) -> list[str]:
     return lines
 
 
-def _classifier(c: Config) -> str:
-    cl = c.routing.classifier
-    return (
+def _routing(c: Config) -> list[str]:
+    cx, cl = c.routing.complexity, c.routing.classifier
+    return [
+        f"routing     complexity simple={cx.simple or '-'} complex={cx.complex or '-'} "
+        f"default={c.routing.default_complexity}",
         f"classifier  long_prompt_chars={cl.long_prompt_chars} "
         f"code_lines_complex={cl.code_lines_complex} "
-        f"complex_keywords={len(cl.complex_keywords)} simple_keywords={len(cl.simple_keywords)}"
+        f"complex_keywords={len(cl.complex_keywords)} simple_keywords={len(cl.simple_keywords)}",
+    ]
+
+
+def _operations(c: Config, env: Mapping[str, str] | None) -> list[str]:
+    """Telemetry, the Batch API and cluster mode."""
+    t, b = c.telemetry, c.batch
+    tracing = telemetry.describe(c, env)
+    if tracing != "off":
+        tracing += (
+            f" respect_client_sampling={_ON_OFF[t.respect_client_sampling]}"
+            f" exemplars={_ON_OFF[t.exemplars]}"
+        )
+    lines = [
+        f"telemetry   {tracing}",
+        f"batch       store={_store(b.store)} max_file_bytes={b.max_file_bytes} "
+        f"max_lines={b.max_lines} in_flight_per_batch={b.in_flight_per_batch}",
+    ]
+    if c.cluster is None:
+        lines.append("cluster     off (one node)")
+        return lines
+    cl = c.cluster
+    lines.append(
+        f"cluster     redis={masked_url(cl.redis_url)} replica_id={cl.replica_id} "
+        f"lease_ms={cl.lease_ms} renew_ms={cl.renew_ms}"
     )
+    if not _is_postgres(b.store):
+        # SPEC §14: `cluster:` with a SQLite store serves batches per host and says so.
+        lines.append(
+            "            note: batch.store is SQLite: batches are served per host "
+            "(a postgresql:// store shares them across replicas)"
+        )
+    return lines
+
+
+def _is_postgres(store: str) -> bool:
+    return store.lower().startswith(("postgresql://", "postgres://"))
+
+
+def _store(store: str) -> str:
+    """`batch.store` as shown: a PostgreSQL URL with its password masked."""
+    return masked_url(store) if _is_postgres(store) else store
+
+
+def masked_url(url: str) -> str:
+    """`url` with its password and query (where a password may also go) replaced by `***`;
+    a URL that does not parse is shown as `***` whole."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return MASK
+    host = parts.hostname or ""
+    if ":" in host:  # IPv6
+        host = f"[{host}]"
+    netloc = host + (f":{port}" if port is not None else "")
+    if parts.password is not None:
+        netloc = f"{parts.username or ''}:{MASK}@{netloc}"
+    elif parts.username is not None:
+        # `redis://secret@host`: a lone user part is the password for Redis.
+        netloc = f"{MASK}@{netloc}"
+    query = MASK if parts.query else ""
+    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
 
 
 def _set_or_unset(secret: str | None) -> str:

@@ -1,15 +1,16 @@
-"""The command line (SPEC §10): serve, check, mock, demo."""
+"""The command line (SPEC §10): serve, check, schema, mock, demo."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import sys
 
 from gateway import __version__
-from gateway.check import describe
+from gateway.check import describe, describe_errors
 from gateway.config import Config, load_config
 from gateway.errors import ConfigError
 from gateway.logs import setup_logging
@@ -81,12 +82,21 @@ async def supervise(args: argparse.Namespace, config: Config) -> int:
 
 
 def check(args: argparse.Namespace) -> int:
+    """SPEC §18: every error of the file in one run (exit 2), or the summary of every section."""
     try:
         config = load_config(args.file)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        print(describe_errors(exc, args.file), end="", file=sys.stderr)
         return 2
     print(describe(config))
+    return 0
+
+
+def schema(args: argparse.Namespace) -> int:
+    """SPEC §18: the config's JSON Schema, for editors."""
+    from gateway.config.json_schema import json_schema
+
+    print(json.dumps(json_schema(), indent=2, ensure_ascii=False))
     return 0
 
 
@@ -113,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="validate a config and print the routing table")
     p.add_argument("file")
 
+    sub.add_parser(
+        "schema",
+        help="print the config's JSON Schema (for editors' YAML language servers)",
+        description="Prints the JSON Schema of the config file. Point an editor at it, e.g. "
+        "`# yaml-language-server: $schema=gateway.schema.json` as the file's first line.",
+    )
+
     from gateway.sim import mock
 
     p = sub.add_parser("mock", help="an OpenAI-compatible simulated model server")
@@ -130,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_format, args.log_level, not getattr(args, "no_access_log", False))
     if args.command == "check":
         return check(args)
+    if args.command == "schema":
+        return schema(args)
     _event_loop_policy()
     if args.command == "serve":
         enter_worker()  # SPEC §12: a worker started by the supervisor attaches here
