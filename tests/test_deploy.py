@@ -8,18 +8,24 @@ unit-tested with `promtool test rules` on synthetic series.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
+import signal
+import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from redis_fixture import REDIS_SERVER, RedisServer
 from support import GatewayFactory, MockFactory, chat, pool_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,8 +164,34 @@ def test_dashboard_covers_the_spec_metrics() -> None:
         "retries",
         "rejections by reason",
         "tokens",
+        # issue 21: what an operator bills and throttles by, and what breaks quietly
+        "by key",
+        "per key",
+        "redis",
+        "degraded",
+        "reloads",
+        "batch lines",
+        "worker restarts",
     ):
         assert topic in titles, topic
+    # the alerts of the same
+    assert {
+        "GatewayConfigReloadFailed",
+        "GatewayRedisUnreachable",
+        "GatewayClusterDegraded",
+        "GatewayBatchLinesFailing",
+        "GatewayWorkersRestarting",
+    } <= {r["alert"] for r in alert_rules()}
+    named = {m for _, expr in dashboard_exprs() for m in _METRIC.findall(_STRING.sub("", expr))}
+    assert {
+        "gateway_key_requests_total",
+        "gateway_key_tokens_total",
+        "gateway_cluster_redis_up",
+        "gateway_cluster_degraded",
+        "gateway_config_reloads_total",
+        "gateway_batch_lines_total",
+        "gateway_worker_restarts_total",
+    } <= named
 
 
 def test_alert_rules_are_well_formed() -> None:
@@ -181,11 +213,88 @@ def test_alert_rules_are_well_formed() -> None:
 # Every expression against a real gateway's /metrics.
 
 
+def _families(text: str, into: dict[str, set[str]]) -> dict[str, set[str]]:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            into.setdefault(sample.name, set()).update(sample.labels)
+    return into
+
+
+async def _cluster_metrics(
+    tmp_path: Path, mocks: MockFactory, gateway_factory: GatewayFactory
+) -> str:
+    """/metrics of a replica in cluster mode (SPEC §13: Redis up, degraded, leases)."""
+    assert REDIS_SERVER is not None, "redis-server is not installed (CI installs Debian's)"
+    redis = RedisServer(tmp_path)
+    await redis.start()
+    try:
+        up = await mocks()
+        gw = await gateway_factory(
+            {
+                "pools": {"p": pool_config(up)},
+                "models": {"m": {"pool": "p"}},
+                "auth": {"keys": [{"key": "sk-deploy-1", "name": "k"}], "metrics_key": "mk-1"},
+                "cluster": {"redis_url": redis.url, "lease_ms": 1500, "renew_ms": 150},
+            }
+        )
+        headers = {"Authorization": "Bearer mk-1"}
+        async with gw.session.get(gw.url + "/metrics", headers=headers) as resp:
+            assert resp.status == 200
+            return await resp.text()
+    finally:
+        redis.stop()
+
+
+async def _workers_metrics(tmp_path: Path, mocks: MockFactory) -> str:
+    """/metrics of `gateway serve --workers 2` (SPEC §12: gateway_worker_restarts_total)."""
+    up = await mocks()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    path = tmp_path / "workers.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "listen": {"host": "127.0.0.1", "port": port},
+                "shutdown": {"drain_delay_ms": 0, "drain_timeout_ms": 5000},
+                "health": {"probe": {"enabled": False}},
+                "pools": {"p": pool_config(up)},
+                "models": {"m": {"pool": "p"}},
+            }
+        )
+    )
+    args = ["-m", "gateway.cli", "serve", "--config", str(path), "--workers", "2"]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, *args, "--no-access-log", stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 60)
+        assert b"(2 workers)" in line, line
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{port}/metrics") as resp,
+        ):
+            assert resp.status == 200
+            return await resp.text()
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 20)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
 @pytest.fixture
-async def exposed(mocks: MockFactory, gateway_factory: GatewayFactory) -> dict[str, set[str]]:
+async def exposed(
+    tmp_path: Path, mocks: MockFactory, gateway_factory: GatewayFactory
+) -> dict[str, set[str]]:
     """Sample name → label names of a gateway that served traffic of every kind: successes
     (tokens), a retried request (retries), a failing pool (a 502 and ejections), an unknown
-    model (a rejection) and a stream."""
+    model (a rejection), a stream and a client key (per-key counters); plus what only a
+    replica in cluster mode (SPEC §13) and `--workers` (SPEC §12) expose."""
     good, bad, broken = (
         await mocks(),
         await mocks(fail_rate=1.0, fail_status=500),
@@ -198,20 +307,24 @@ async def exposed(mocks: MockFactory, gateway_factory: GatewayFactory) -> dict[s
             "balancer": "round_robin",
             "retries": {"max_attempts": 2},
             "health": {"failure_threshold": 1, "ejection_ms": 60_000, "max_ejection_ms": 60_000},
+            "auth": {"keys": [{"key": "sk-deploy-0", "name": "team"}], "admin_key": "adm-0"},
         }
     )
+    key = {"Authorization": "Bearer sk-deploy-0"}
     for body in (chat(), chat(), chat(stream=True), chat(model="broken"), chat(model="nope")):
-        async with await gw.post("/v1/chat/completions", body) as resp:
+        async with await gw.post("/v1/chat/completions", body, headers=key) as resp:
             await resp.read()
-    async with gw.session.get(gw.url + "/metrics") as resp:
+    async with gw.session.get(
+        gw.url + "/metrics", headers={"Authorization": "Bearer adm-0"}
+    ) as resp:
         assert resp.status == 200
         text = await resp.text()
-    out: dict[str, set[str]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out.setdefault(sample.name, set()).update(sample.labels)
+    out = _families(text, {})
     # the traffic above made every label-bearing family show
-    assert {"gateway_retries_total", "gateway_tokens_total"} <= set(out)
+    assert {"gateway_retries_total", "gateway_tokens_total", "gateway_key_tokens_total"} <= set(out)
+    _families(await _cluster_metrics(tmp_path, mocks, gateway_factory), out)
+    _families(await _workers_metrics(tmp_path, mocks), out)
+    assert {"gateway_cluster_degraded", "gateway_worker_restarts_total"} <= set(out)
     return out
 
 
@@ -454,6 +567,86 @@ ALERT_TESTS: list[dict[str, Any]] = [
                 "exp_alerts": [_alert(severity="warning")],
             },
             {"eval_time": "12m", "alertname": "GatewayQueueFullRejections", "exp_alerts": []},
+        ],
+    },
+    {
+        # gw-0's reload at 2m is refused (and stays so); gw-1 reloads fine
+        "interval": "1m",
+        "input_series": [
+            _series("gateway_config_last_reload_success", "1 1 0x10"),
+            _series("gateway_config_last_reload_success", "1x12", instance="gw-1:8080"),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "1m", "alertname": "GatewayConfigReloadFailed", "exp_alerts": []},
+            {
+                "eval_time": "5m",
+                "alertname": "GatewayConfigReloadFailed",
+                "exp_alerts": [_alert(severity="warning")],
+            },
+        ],
+    },
+    {
+        # Redis gone from 2m on for gw-0 (degraded from 3m); gw-1 had a one-minute blip
+        "interval": "1m",
+        "input_series": [
+            _series("gateway_cluster_redis_up", "1 1 0x15"),
+            _series("gateway_cluster_degraded", "0 0 0 1x14"),
+            _series("gateway_cluster_redis_up", "1 1 0 1x14", instance="gw-1:8080"),
+            _series("gateway_cluster_degraded", "0x17", instance="gw-1:8080"),
+        ],
+        "alert_rule_test": [
+            {
+                "eval_time": "2m",
+                "alertname": "GatewayRedisUnreachable",
+                "exp_alerts": [],  # pending: a blip is not an alert
+            },
+            {
+                "eval_time": "4m",
+                "alertname": "GatewayRedisUnreachable",
+                "exp_alerts": [_alert(severity="warning")],
+            },
+            {"eval_time": "6m", "alertname": "GatewayClusterDegraded", "exp_alerts": []},
+            {
+                "eval_time": "9m",
+                "alertname": "GatewayClusterDegraded",
+                "exp_alerts": [_alert(severity="critical")],
+            },
+        ],
+    },
+    {
+        # 10 batch lines/s; on gw-0 1/s fail (10 %), on gw-1 1 in 100 (1 %)
+        "interval": "1m",
+        "input_series": [
+            _series("gateway_batch_lines_total", "0+540x40", result="completed"),
+            _series("gateway_batch_lines_total", "0+60x40", result="failed"),
+            _series(
+                "gateway_batch_lines_total", "0+594x40", instance="gw-1:8080", result="completed"
+            ),
+            _series("gateway_batch_lines_total", "0+6x40", instance="gw-1:8080", result="failed"),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "10m", "alertname": "GatewayBatchLinesFailing", "exp_alerts": []},
+            {
+                "eval_time": "25m",
+                "alertname": "GatewayBatchLinesFailing",
+                "exp_alerts": [_alert(severity="warning")],
+            },
+        ],
+    },
+    {
+        # gw-0: a worker dies every minute from 2m to 5m; gw-1: one restart only
+        "interval": "1m",
+        "input_series": [
+            _series("gateway_worker_restarts_total", "0 0 1 2 3 4 4x20"),
+            _series("gateway_worker_restarts_total", "0 0 1x23", instance="gw-1:8080"),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "3m", "alertname": "GatewayWorkersRestarting", "exp_alerts": []},
+            {
+                "eval_time": "8m",
+                "alertname": "GatewayWorkersRestarting",
+                "exp_alerts": [_alert(severity="warning")],
+            },
         ],
     },
 ]

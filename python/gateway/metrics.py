@@ -284,6 +284,8 @@ class Metrics:
             self.rejections.labels(reason)
         for result in ("completed", "failed"):
             self.batch_lines.labels(result)
+        for result in ("success", "failure"):  # a failed reload alerts from the first one on
+            self.reloads.labels(result)
         # Read at scrape time from the shared region: already the whole gateway's.
         self.registry.register(_CoreCollector(runtime))
         self._children: dict[tuple[Any, ...], Any] = {}
