@@ -45,14 +45,12 @@ from gateway.errors import (
     RequestError,
     RequestTimeout,
     RequestTooLarge,
-    UpstreamFailed,
-    UpstreamTimedOut,
     retry_after_ms,
     with_retry_after,
 )
 from gateway.events import Events, RequestFinished
 from gateway.exchange import Exchange
-from gateway.forward import AttemptError, Forwarder, UpstreamBody
+from gateway.forward import AttemptError, Forwarder, UpstreamBody, earliest_try_ms, exhausted
 from gateway.limits import estimate_tokens
 from gateway.messages import ENDPOINTS, Endpoint, parse_request
 from gateway.metrics import NO_KEY, Metrics
@@ -520,12 +518,11 @@ class Gateway:
         """Admit, queue, balance and forward, retrying and falling back (SPEC §3, §6)."""
         assert ex.decision is not None
         pool_name: str | None = self._spill(ex, ex.decision.pool)
-        visited: set[str] = set()
+        visited: dict[str, Pool | None] = {}
         last_error: AttemptError | None = None
         unavailable_ms = DEFAULT_RETRY_AFTER_MS
         while pool_name is not None and pool_name not in visited:
-            visited.add(pool_name)
-            pool = self.runtime.pools.get(pool_name)
+            pool = visited[pool_name] = self.runtime.pools.get(pool_name)
             if pool is None:  # removed by a reload while this request was on its way
                 break
             ex.pool = pool_name
@@ -539,9 +536,11 @@ class Gateway:
             # SPEC §6: "then on the pool's fallback pool".
             pool_name = pool.spec.fallback
         if last_error is not None:
-            if last_error.timeout:
-                raise UpstreamTimedOut(f"Upstream timed out: {last_error}.")
-            raise UpstreamFailed(f"Upstream failed: {last_error}.")
+            # SPEC §7: an upstream 429 (or 503) with Retry-After last: 429 `rate_limited` (or
+            # 503) with the time until the earliest instance it could use may be tried.
+            cap_ms = self.runtime.config.health.max_ejection_ms
+            tried = [p for p in visited.values() if p is not None]
+            raise exhausted(last_error, lambda: earliest_try_ms(tried, cap_ms))
         ex.instance = None
         raise with_retry_after(
             NoHealthyInstance(
@@ -566,6 +565,10 @@ class Gateway:
         last: AttemptError | int = DEFAULT_RETRY_AFTER_MS
         excluded = 0
         for _ in range(self.runtime.config.retries.max_attempts):
+            # SPEC §7: all that is left cooling for an upstream's Retry-After: answered now.
+            paused = self.forwarder.cooling.blocked(pool, excluded)
+            if paused is not None:
+                return paused
             try:
                 idx = await self._acquire(ex, pool, ticket, tenant, excluded)
             except NoHealthyInstance as exc:

@@ -8,6 +8,7 @@ keeps its HTTP exceptions in one module.
 
 - `QueueFull`: no queue room (SPEC §3 "Overflow"); `retry_after_ms` attribute.
 - `NoHealthyInstance`: nothing the request may use is up (SPEC §6); `retry_after_ms`.
+  `UpstreamUnavailable` is one: the upstreams themselves asked for a pause (503 Retry-After).
 - `UnknownTicket`, `InvalidPoolConfig`: the core's own complaints.
 - `ConfigError`: an invalid configuration file; `path` names the field.
 - `RequestError` and its subclasses: answered to the client as they are.
@@ -50,7 +51,9 @@ __all__ = [
     "Unauthorized",
     "UnknownTicket",
     "UpstreamFailed",
+    "UpstreamRateLimited",
     "UpstreamTimedOut",
+    "UpstreamUnavailable",
     "retry_after_ms",
     "with_retry_after",
 ]
@@ -155,6 +158,20 @@ class InvalidConfig(RequestError):
 
 class UpstreamFailed(RequestError):
     """Every attempt failed (SPEC §6), or the upstream rejected the gateway's own key."""
+
+
+class UpstreamRateLimited(RateLimited):
+    """SPEC §7: the upstream's own quota (e.g. OpenAI's 429) left nothing to try; 429
+    `rate_limited` with the computed Retry-After, so SDKs back off."""
+
+
+class UpstreamUnavailable(NoHealthyInstance):
+    """SPEC §7: the upstreams answered 503 with Retry-After (or are cooling from it) and nothing
+    else is left; answered like `NoHealthyInstance`, with the computed Retry-After."""
+
+    def __init__(self, message: str, retry_after_ms: int) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
 
 
 class UpstreamTimedOut(RequestError):

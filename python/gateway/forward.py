@@ -25,7 +25,7 @@ import email.utils
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -35,6 +35,14 @@ from aiohttp import web
 
 from gateway._core import Outcome
 from gateway.deadline import Watchdog
+from gateway.errors import (
+    DEFAULT_RETRY_AFTER_MS,
+    GatewayError,
+    UpstreamFailed,
+    UpstreamRateLimited,
+    UpstreamTimedOut,
+    UpstreamUnavailable,
+)
 from gateway.exchange import Attempt, Exchange
 from gateway.http1 import BodyTooLarge, Response
 from gateway.messages import Endpoint
@@ -43,14 +51,17 @@ from gateway.pool import Pool
 from gateway.redact import Redactor
 from gateway.responses import NOSNIFF, sse_error_event
 from gateway.runtime import Runtime
+from gateway.scheduler import now_ms
 from gateway.sse import MalformedEvent, SseChecker
 from gateway.telemetry import finish_reasons
 from gateway.upstream import AttemptError, Upstream
 
 __all__ = [
     "AttemptError",
+    "Cooling",
     "Forwarder",
     "UpstreamBody",
+    "exhausted",
     "inspect_body",
     "is_instance_failure",
     "normalize_error",
@@ -65,6 +76,8 @@ _JSON = "application/json"
 # A client whose unsent stream bytes exceed this pauses the upstream (SPEC §16: bounded).
 _CLIENT_HIGH_WATER = 256 * 1024
 _STALLED = "upstream stream stalled"
+#: How much of an upstream's 429/503 message is quoted to the client.
+_SAID_CHARS = 300
 
 #: Body fields that could steer a request elsewhere; never forwarded (SPEC §7).
 URL_FIELDS = frozenset(("api_base", "base_url", "api_key", "organization", "extra_headers"))
@@ -182,6 +195,22 @@ def normalize_error(body: bytes, status: int) -> bytes:
     integer code), Qianfan v1 `{"error_code": 336003, "error_msg": ...}`, DashScope's native
     API `{"code": "InvalidParameter", "message": ...}`. Clients of this gateway see one shape.
     """
+    message, etype, param, code = _error_fields(body, status)
+    return orjson.dumps(
+        {
+            "error": {
+                "message": message or f"upstream answered HTTP {status}",
+                "type": etype,
+                "param": param,
+                "code": code,
+            }
+        }
+    )
+
+
+def _error_fields(body: bytes, status: int) -> tuple[str | None, str, str | None, str | None]:
+    """(message, type, param, code) of an upstream's error body, whatever its provider's
+    shape (see `normalize_error`); the message is None when the body gives none."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -203,18 +232,121 @@ def normalize_error(body: bytes, status: int) -> bytes:
             etype = data.get("type") or kind
         elif isinstance(err, str):
             message = err
-    if not isinstance(message, str) or not message:
-        message = f"upstream answered HTTP {status}"
-    return orjson.dumps(
-        {
-            "error": {
-                "message": message[:2000],
-                "type": etype if isinstance(etype, str) else kind,
-                "param": param if isinstance(param, str) else None,
-                "code": None if code is None else str(code)[:200],
-            }
-        }
+    return (
+        message[:2000] if isinstance(message, str) and message else None,
+        etype if isinstance(etype, str) else kind,
+        param if isinstance(param, str) else None,
+        None if code is None else str(code)[:200],
     )
+
+
+class Cooling:
+    """SPEC §7: "An upstream **429** (or 503) with `Retry-After` cools that instance (§6) and
+    the request is retried on another; when none is left the client gets **429
+    `rate_limited`** (an upstream quota, e.g. OpenAI's) or 503 with the computed `Retry-After`
+    — never a 502 without one, so SDKs back off."
+
+    Remembers, per pool, which instances an upstream paused this way and with which status
+    (the core keeps only the pause's end). A request that finds every instance it may still
+    use paused (or ejected) is answered at once: the upstream said when to come back, and the
+    queue is for saturation, not for sitting out a quota the client can wait out itself (a
+    long pause would otherwise hold it until its `max_wait_ms`, then answer `queue_timeout`).
+    Checked before each attempt; one dict look-up unless a pause is running in the pool.
+    """
+
+    def __init__(self) -> None:
+        # pool → instance → (upstream status, end of the pause in the core's monotonic ms)
+        self._paused: dict[str, dict[str, tuple[int, int]]] = {}
+        # pool → the latest end of a pause there
+        self._until: dict[str, int] = {}
+
+    def note(self, pool: str, instance: str, status: int, pause_ms: int) -> None:
+        """An attempt on `instance` ended with `status` (429/503) asking for `pause_ms`
+        (already clamped to `health.max_ejection_ms`, as the core clamps it)."""
+        now = now_ms()
+        until = now + pause_ms
+        paused = self._paused.setdefault(pool, {})
+        for name in [n for n, (_, end) in paused.items() if end <= now]:
+            del paused[name]  # bounded: only pauses still running stay
+        paused[instance] = (status, max(until, paused.get(instance, (0, 0))[1]))
+        self._until[pool] = max(self._until.get(pool, 0), until)
+
+    def blocked(self, pool: Pool, excluded: int) -> AttemptError | None:
+        """When nothing of `pool` outside `excluded` is up but paused (cooling) or ejected
+        instances, at least one paused: the failure that stands for the attempt not made
+        (status 429 when any of them answered 429, else 503). None otherwise: an instance is
+        up (perhaps busy: the request queues for it), or none is left (the core says so)."""
+        until = self._until.get(pool.name)
+        if until is None:
+            return None
+        now = now_ms()
+        if until <= now:
+            del self._until[pool.name]
+            self._paused.pop(pool.name, None)
+            return None
+        paused = self._paused.get(pool.name, {})
+        statuses: list[int] = []
+        for inst in pool.snapshot(now).instances:
+            if inst.removed or excluded >> inst.index & 1:
+                continue
+            if inst.state == "cooling":
+                status, _ = paused.get(inst.name, (503, 0))
+                statuses.append(status)
+            elif inst.state != "ejected":
+                return None
+        if not statuses:
+            return None
+        status = 429 if 429 in statuses else 503
+        return AttemptError(
+            f"every instance of pool {pool.name!r} left to try is cooling after an upstream "
+            f"HTTP {status} with Retry-After",
+            status=status,
+            retry_after_ms=DEFAULT_RETRY_AFTER_MS,
+        )
+
+
+def earliest_try_ms(pools: Iterable[Pool], cap_ms: int) -> int:
+    """SPEC §6: the time until the earliest instance of `pools` may be tried again, in ms: at
+    least 1 s (0 would invite a hot retry loop), at most `cap_ms` (SPEC §16: an upstream
+    Retry-After is clamped to `health.max_ejection_ms`)."""
+    now = now_ms()
+    lefts = [
+        max(0, inst.next_try_ms - now)
+        for pool in pools
+        for inst in pool.snapshot(now).instances
+        if not inst.removed
+    ]
+    wait = min(lefts, default=0)
+    return max(DEFAULT_RETRY_AFTER_MS, min(wait, cap_ms))
+
+
+def exhausted(last: AttemptError, wait_ms: Callable[[], int]) -> GatewayError:
+    """The client's answer once every attempt failed (its pool's, then its fallback's) and
+    `last` is the latest failure; `wait_ms()` computes the Retry-After (SPEC §6, §7).
+
+    - a timeout: 504 `upstream_timeout`;
+    - an upstream 429, with or without Retry-After (the upstream's quota, e.g. OpenAI's): 429
+      `rate_limited` with the computed Retry-After — never a 502 SDKs would retry at once;
+    - an upstream 503 with Retry-After: 503 `no_healthy_instance` with the computed
+      Retry-After (the instances asked for a pause: none is up, as when all are ejected);
+    - anything else: 502 `upstream_error`.
+    """
+    if last.timeout:
+        return UpstreamTimedOut(f"Upstream timed out: {last}.")
+    if last.status == 429:
+        wait = wait_ms()
+        return UpstreamRateLimited(
+            f"The upstream's rate limit was reached; retry after {math.ceil(wait / 1000)}s "
+            f"({last}).",
+            retry_after_ms=wait,
+        )
+    if last.status == 503 and last.retry_after_ms > 0:
+        wait = wait_ms()
+        return UpstreamUnavailable(
+            f"The upstream asked for a pause; retry after {math.ceil(wait / 1000)}s ({last}).",
+            wait,
+        )
+    return UpstreamFailed(f"Upstream failed: {last}.")
 
 
 class Forwarder:
@@ -231,6 +363,8 @@ class Forwarder:
         self._metrics = metrics
         self._redactor = redactor
         self._hard_stopped = hard_stopped
+        #: SPEC §7: the instances upstreams paused with a 429/503 and Retry-After.
+        self.cooling = Cooling()
 
     def _scrub(self, upstream: Upstream, text: str) -> str:
         """Upstream-derived text about to leave the gateway, without any secret in it."""
@@ -266,6 +400,8 @@ class Forwarder:
             return result
         except AttemptError as err:
             outcome, cool_ms = Outcome.FAILURE, err.retry_after_ms
+            if cool_ms > 0:
+                self.cooling.note(pool.name, upstream.name, err.status, cool_ms)
             return err
         finally:
             # Nothing below may keep the slot from going back: the release comes first and
@@ -334,14 +470,19 @@ class Forwarder:
         with the pause a 429/503 asked for (its body is read and dropped)."""
         config = self._runtime().config
         status = resp_up.status
-        await _read_all(resp_up, ex.watchdog, config.limits.max_response_bytes)
+        raw = await _read_all(resp_up, ex.watchdog, config.limits.max_response_bytes)
         cool_ms = 0
+        why = "rejected the gateway's credentials" if status in (401, 403) else "answered"
+        reason = f"upstream {upstream.name} {why} HTTP {status}"
         if status in (429, 503):
             cool_ms = parse_retry_after_ms(resp_up.headers, config.health.max_ejection_ms)
-        why = "rejected the gateway's credentials" if status in (401, 403) else "answered"
-        return AttemptError(
-            f"upstream {upstream.name} {why} HTTP {status}", status=status, retry_after_ms=cool_ms
-        )
+            # SPEC §7: a quota answer reaches the client (429 `rate_limited`); what the upstream
+            # said (which limit, a quota exhausted for good) helps it, once no secret is in it.
+            said = _error_fields(raw, status)[0]
+            if said:
+                # Scrubbed whole, then cut: a cut could split a secret past recognition.
+                reason += ": " + self._scrub(upstream, said)[:_SAID_CHARS]
+        return AttemptError(reason, status=status, retry_after_ms=cool_ms)
 
     async def _client_error(
         self, ex: Exchange, upstream: Upstream, resp_up: Response

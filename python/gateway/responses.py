@@ -31,11 +31,15 @@ ANSWERS: dict[type[e.GatewayError], tuple[int, str, str]] = {
     e.RequestTimeout: (408, "request_timeout", "invalid_request_error"),
     e.RequestTooLarge: (413, "request_too_large", "invalid_request_error"),
     e.RateLimited: (429, "rate_limited", "rate_limit_error"),
+    # SPEC §7: an upstream's quota is answered like the gateway's own per-key limit.
+    e.UpstreamRateLimited: (429, "rate_limited", "rate_limit_error"),
     e.InternalError: (500, "internal_error", "server_error"),
     e.UpstreamFailed: (502, "upstream_error", "server_error"),
     e.QueueFull: (503, "queue_full", "server_error"),
     e.QueueTimeout: (503, "queue_timeout", "server_error"),
     e.NoHealthyInstance: (503, "no_healthy_instance", "server_error"),
+    # SPEC §7: upstreams that asked for a pause (503 Retry-After) are not up, as ejected ones.
+    e.UpstreamUnavailable: (503, "no_healthy_instance", "server_error"),
     e.Overloaded: (503, "overloaded", "server_error"),
     e.Draining: (503, "draining", "server_error"),
     e.Restarting: (503, "restarting", "server_error"),
