@@ -236,8 +236,12 @@ async def test_dashboard_shows_instances_and_ejection(
     page: Page, mocks: MockFactory, gateway_factory: GatewayFactory
 ) -> None:
     a, b, c, d = [await mocks() for _ in range(4)]
-    gw = await gateway_factory(_config(pool_config(a, b, fallback="light"), pool_config(c, d)))
+    gw = await gateway_factory(
+        _config(pool_config(a, b, fallback="light"), pool_config(c, d, spill_to="heavy"))
+    )
     state = await gw.state()
+    assert state["pools"]["light"]["spill_to"] == "heavy"
+    assert state["pools"]["heavy"]["spill_to"] is None
     expected = {
         f"{pool}/{_name(state, pool, mock)}"
         for pool, mock in (("heavy", a), ("heavy", b), ("light", c), ("light", d))
@@ -252,6 +256,13 @@ async def test_dashboard_shows_instances_and_ejection(
     assert await page.evaluate("document.getElementById('conn').dataset.conn") == "live"
     assert await page.evaluate("!document.body.hasAttribute('data-stale')")
     assert "fallback → light" in await page.evaluate("document.body.innerText")
+    # where each pool's work goes besides: its fallback, and its spill target when saturated
+    heads = await page.evaluate(
+        "Object.fromEntries([...document.querySelectorAll('[data-pool]')]"
+        ".map(e => [e.dataset.pool, e.querySelector('.pool-head').innerText]))"
+    )
+    assert "fallback → light" in heads["heavy"] and "spill" not in heads["heavy"], heads
+    assert "no fallback" in heads["light"] and "spill → heavy" in heads["light"], heads
     r, g, _ = await page.evaluate(_colour('[data-state="healthy"]'))
     assert g > 120 and g > r + 40, "healthy is green"
 
@@ -265,6 +276,10 @@ async def test_dashboard_shows_instances_and_ejection(
     assert r > 180 and g < 110 and b_ < 110, "ejected is red"
     text = await page.evaluate(f"document.querySelector('{row}').innerText")
     assert "ejected" in text and re.search(r"retry in \d+(\.\d)? s", text), text
+    # what ejected it, not "failures 0" (the core starts counting again at an ejection)
+    assert "failures 0" not in text, text
+    assert "ejected 1×" in text, text
+    assert re.search(r"last failure [\d.]+ s ago: cannot connect to upstream", text), text
     others = [st for key, st, _ in await page.evaluate(INSTANCES_JS) if key != f"heavy/{name}"]
     assert others == ["healthy"] * 3
     # the change observed between two snapshots is listed

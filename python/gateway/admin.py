@@ -96,7 +96,9 @@ class Admin:
         for name, pool in self.gw.runtime.pools.items():
             snap = pool.snapshot(now)
             pools[name] = _pool_doc(snap, offset) | {
-                "queue_capacity": {"high": sched.high.capacity, "low": sched.low.capacity}
+                "queue_capacity": {"high": sched.high.capacity, "low": sched.low.capacity},
+                # where saturated simple work goes (tier spill; None: nowhere)
+                "spill_to": pool.spec.spill_to,
             }
         # SPEC §14: batches per status, and the ones being worked on with their progress.
         batches, running = self.gw.batch.state()
