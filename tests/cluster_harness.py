@@ -31,6 +31,8 @@ class Replica:
         self.url = f"http://127.0.0.1:{self.port}"
         cfg = yaml.safe_load(yaml.safe_dump(config))  # a deep copy
         cfg["cluster"]["replica_id"] = replica_id
+        # Stopped with SIGTERM at teardown: no load balancer to wait for (SPEC §7 drain delay).
+        cfg.setdefault("shutdown", {}).setdefault("drain_delay_ms", 0)
         self.config_path = workdir / f"{replica_id}.yaml"
         self.config_path.write_text(yaml.safe_dump(cfg))
         self.log_path = workdir / f"{replica_id}.log"

@@ -668,6 +668,7 @@ async def test_kill_9_mid_batch_then_restart_completes_it(
     cfg = config(pool_config((m, 16)), tmp_path / "b.db", in_flight_per_batch=in_flight)
     cfg["listen"] = {"host": "127.0.0.1", "port": 0}
     cfg["health"] = {"probe": {"enabled": False}}
+    cfg["shutdown"] = {"drain_delay_ms": 0}  # no load balancer to wait for (SPEC §7)
     path = tmp_path / "gateway.yaml"
     path.write_text(yaml.safe_dump(cfg))
     procs: list[asyncio.subprocess.Process] = []

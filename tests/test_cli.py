@@ -38,7 +38,7 @@ def _config(tmp_path: Path, url: str, port: int, extra: str = "") -> Path:
             f"""\
             listen: {{host: 127.0.0.1, port: {port}}}
             health: {{probe: {{enabled: false}}}}
-            shutdown: {{drain_timeout_ms: 3000}}
+            shutdown: {{drain_timeout_ms: 3000, drain_delay_ms: 0}}
             pools:
               light:
                 instances:

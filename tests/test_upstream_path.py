@@ -134,6 +134,7 @@ async def test_no_key_reaches_the_log_even_from_aiohttp_and_tracebacks(
             {
                 "listen": {"host": "127.0.0.1", "port": port},
                 "health": {"probe": {"enabled": False}},
+                "shutdown": {"drain_delay_ms": 0},  # no load balancer to wait for (SPEC §7)
                 "retries": {"max_attempts": 1},
                 "pools": {
                     "p": {

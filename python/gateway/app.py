@@ -153,7 +153,12 @@ class Gateway:
         self.events = Events()
         self.runtime = Runtime(config, self.events)
         self.config_path = config_path
+        #: SPEC §7 drain, from the signal on: /readyz answers 503 (load balancers stop sending)
+        #: while requests are still served for `shutdown.drain_delay_ms`.
         self.draining = False
+        #: Set once the delay is over and the listener closed: a new request is answered 503
+        #: `draining` (only in-flight and queued work still runs).
+        self.refusing = False
         # Set when the drain deadline passed: in-flight work is cancelled and answered 503
         # (or, for a started stream, an error event) instead of being cut silently.
         self._hard_stopped = False
@@ -240,6 +245,12 @@ class Gateway:
                 resp = self._internal_error(request)
         if not resp.prepared:
             resp.headers["X-Content-Type-Options"] = NOSNIFF
+            if self.draining:
+                # SPEC §7 drain: a keep-alive client reconnects (through its load balancer, to
+                # a ready replica) instead of holding on to this one. Only where the head is
+                # still to be sent: closing after a head that promised keep-alive races the
+                # client's next request.
+                resp.force_close()
         return resp
 
     def _internal_error(self, request: web.BaseRequest) -> web.Response:
@@ -256,18 +267,24 @@ class Gateway:
         if self.tracing is not None:
             await self.tracing.close()
 
-    async def drain(self, site: web.BaseSite) -> None:
-        """SPEC §7 "SIGTERM drains": `/readyz` turns 503, new connections stop, in-flight and
-        queued requests finish within the drain deadline, then the rest get 503 or a stream
-        error event."""
-        self.draining = True
+    async def drain(self, site: web.BaseSite, cut: asyncio.Event | None = None) -> None:
+        """SPEC §7 "SIGTERM drains", once the delay is over (`Server.shutdown` waits it out
+        with /readyz at 503 and the listener serving): new connections stop, in-flight and
+        queued requests finish within the drain deadline (or until `cut` is set), then the
+        rest get 503 or a stream error event."""
+        self.draining = self.refusing = True
         await site.stop()
         self._idle = asyncio.Event()
         if not self._active:
             return
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.runtime.config.shutdown.drain_timeout_ms / 1000):
-                await self._idle.wait()
+        idle = asyncio.ensure_future(self._idle.wait())
+        waits: set[asyncio.Future[Any]] = {idle}
+        if cut is not None:
+            waits.add(asyncio.ensure_future(cut.wait()))
+        timeout_s = self.runtime.config.shutdown.drain_timeout_ms / 1000
+        await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        for waiting in waits:
+            waiting.cancel()
         if not self._active:
             return
         self._hard_stopped = True
@@ -360,7 +377,7 @@ class Gateway:
     ) -> web.StreamResponse:
         """SPEC §2 in order: ingress (authenticate, size-limit, validate), classify and route,
         then admit, queue, balance and forward."""
-        if self.draining:
+        if self.refusing:
             raise _draining("The gateway is shutting down.")
         tenant = self.keys.authenticate(request.headers)
         ex.key_name = tenant.name if tenant.index else None  # index 0: no key (auth off)
@@ -392,7 +409,7 @@ class Gateway:
         ex.key_name = tenant.name if tenant.index else None
         resp: web.StreamResponse
         try:
-            if self.draining:
+            if self.refusing:
                 raise _draining("The gateway is shutting down.")
             data = parse_request(raw, endpoint)
             if data.get("stream"):

@@ -11,7 +11,8 @@ in one of them only.
     ...
     await server.shutdown()       # SPEC §7 drain, then everything stops
 
-`serve()` is `start()`, wait for SIGTERM/SIGINT (SIGHUP reloads), `shutdown()`.
+`serve()` is `start()`, wait for SIGTERM/SIGINT (SIGHUP reloads), `shutdown()` with the
+config's `shutdown.drain_delay_ms` (a second signal skips the delay, a third ends the drain).
 """
 
 from __future__ import annotations
@@ -36,13 +37,17 @@ from gateway.workers import TICK_S, WorkerLink, link
 if TYPE_CHECKING:
     from gateway.cluster.node import ClusterNode
 
-__all__ = ["Server"]
+__all__ = ["ListenError", "Server"]
 
 log = logging.getLogger("gateway")
 
 _JANITOR_INTERVAL_S = 5.0
 _WATCH_INTERVAL_S = 1.0
 _METRICS_FLUSH_TICKS = 100  # every second at the 10 ms tick
+
+
+class ListenError(Exception):
+    """The server could not listen on its address (a port taken, an address not here)."""
 
 
 class Server:
@@ -76,6 +81,11 @@ class Server:
         self._site: web.TCPSite | None = None
         self._tasks: set[asyncio.Task[object]] = set()
         self._stopped = False
+        # SPEC §7: the signals after the first — the 2nd skips the drain delay, the 3rd ends
+        # the drain (what is unfinished is answered 503 `draining` or a stream error event).
+        self._signals = 0
+        self._skip_delay = asyncio.Event()
+        self._cut_drain = asyncio.Event()
         # SPEC §12: this server is one of several workers (None: it is the whole gateway).
         self.link: WorkerLink | None = link()
 
@@ -100,7 +110,11 @@ class Server:
             reuse_address=True,
             reuse_port=self.link is not None,  # SPEC §12: every worker on the one port
         )
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            why = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise ListenError(f"cannot listen on {self.host}:{self.port}: {why}") from exc
         self._site = site
         if runner.addresses:
             self.port = int(runner.addresses[0][1])
@@ -144,31 +158,60 @@ class Server:
             on_listening(self)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def signalled() -> None:
+            self._signals += 1
+            if self._signals == 1:
+                stop.set()
+            elif self._signals == 2:
+                log.info("second signal: the drain delay is skipped")
+                self._skip_delay.set()
+            else:
+                log.warning("third signal: the drain ends now")
+                self._cut_drain.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, signalled)
         loop.add_signal_handler(signal.SIGHUP, self.reload_soon)
         try:
             await stop.wait()
+            # The handlers stay through the drain: a second signal hurries it (SPEC §7).
+            delay_ms = self.gateway.runtime.config.shutdown.drain_delay_ms
+            await self.shutdown(delay_ms=delay_ms)
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
-            await self.shutdown()
+            await self.shutdown()  # cancelled before the drain began: stop all the same
 
-    async def shutdown(self, *, drain: bool = True) -> None:
-        """SPEC §7 "SIGTERM drains", in steps: (1) /readyz turns 503 and the listener closes;
-        (2) in-flight and queued requests finish within the drain deadline, the rest are
-        answered 503 or get a stream error event; (3) background work stops; (4) connections
-        close and upstream pools are released. `drain=False` skips (2): whatever is still
-        running is cancelled within a second (tests tearing down). Safe to call twice."""
+    async def shutdown(self, *, drain: bool = True, delay_ms: int = 0) -> None:
+        """SPEC §7 "SIGTERM drains", in steps: (1) /readyz turns 503 at once while the
+        listener keeps accepting and serving for `delay_ms` (load balancers and Kubernetes
+        endpoints take seconds to stop sending; a second signal skips it — `serve()` passes
+        `shutdown.drain_delay_ms`, an in-process caller 0); (2) the listener closes and
+        in-flight and queued requests finish within the drain deadline (a third signal ends
+        it), the rest are answered 503 or get a stream error event; (3) background work stops;
+        (4) connections close and upstream pools are released. `drain=False` skips (1) and
+        (2): whatever is still running is cancelled within a second (tests tearing down).
+        Safe to call twice."""
         if self._stopped:
             return
         self._stopped = True
         if drain and self._site is not None:
+            # SPEC §7: first /readyz turns 503 while the listener keeps accepting and serving
+            # for shutdown.drain_delay_ms, then new connections stop.
+            self.gateway.draining = True
+            if delay_ms > 0 and not self._skip_delay.is_set():
+                log.info(
+                    "draining: not ready, still serving", extra={"fields": {"delay_ms": delay_ms}}
+                )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._skip_delay.wait(), delay_ms / 1000)
             drain_ms = self.gateway.runtime.config.shutdown.drain_timeout_ms
             log.info("draining", extra={"fields": {"deadline_ms": drain_ms}})
             # Batch lines already running get the same deadline; no new line starts.
             await asyncio.gather(
-                self.gateway.drain(self._site), self.gateway.batch.drain(drain_ms / 1000)
+                self.gateway.drain(self._site, self._cut_drain),
+                self.gateway.batch.drain(drain_ms / 1000),
             )
         # Batch results in hand are committed; unfinished lines run after the next start.
         await self.gateway.batch.stop()
