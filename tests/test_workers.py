@@ -39,10 +39,17 @@ def _instances(*items: tuple[MockServer, int]) -> str:
     )
 
 
-def _write(path: Path, port: int, instances: str, extra: str = "", alias: str = "m") -> None:
+def _write(
+    path: Path,
+    port: int,
+    instances: str,
+    extra: str = "",
+    alias: str = "m",
+    drain_delay_ms: int = 0,  # SPEC §7's delay where it is the point; else no waiting
+) -> None:
     lines = [
         f"listen: {{host: 127.0.0.1, port: {port}}}",
-        "shutdown: {drain_timeout_ms: 5000}",
+        f"shutdown: {{drain_timeout_ms: 5000, drain_delay_ms: {drain_delay_ms}}}",
         *extra.splitlines(),
         "pools:",
         "  p:",
@@ -68,6 +75,25 @@ class Workers:
         path = f"/proc/{self.proc.pid}/task/{self.proc.pid}/children"
         with open(path) as f:
             return [int(p) for p in f.read().split()]
+
+    def slots(self) -> dict[int, int]:
+        """Slot -> pid of the workers, as `ps` tells them apart (`serve --worker K/N`)."""
+        found: dict[int, int] = {}
+        for pid in self.pids():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    args = f.read().split(b"\0")
+            except OSError:
+                continue  # gone meanwhile
+            if b"--worker" in args:
+                found[int(args[args.index(b"--worker") + 1].split(b"/")[0])] = pid
+        return found
+
+    async def metric(self, name: str) -> list[str]:
+        """The values of the samples named `name` in one scrape (any worker answers)."""
+        async with self.session.get(self.url + "/metrics") as r:
+            text = await r.text()
+        return [x.split()[-1] for x in text.splitlines() if x.split(" ")[0] == name]
 
     async def chat(self, priority: str = "high", model: str = "m") -> aiohttp.ClientResponse:
         body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
@@ -114,13 +140,24 @@ class Workers:
                 break
 
 
+def _comm(pid: int) -> str:
+    """The process name `top` and `ps -o comm` show."""
+    return Path(f"/proc/{pid}/comm").read_text().strip()
+
+
 @asynccontextmanager
 async def workers(
-    tmp_path: Path, n: int, instances: str, extra: str = "", env: dict[str, str] | None = None
+    tmp_path: Path,
+    n: int,
+    instances: str,
+    extra: str = "",
+    env: dict[str, str] | None = None,
+    drain_delay_ms: int = 0,
+    stderr: int | None = None,
 ) -> AsyncIterator[Workers]:
     port = _free_port()
     path = tmp_path / "gateway.yaml"
-    _write(path, port, instances, extra)
+    _write(path, port, instances, extra, drain_delay_ms=drain_delay_ms)
     proc = await asyncio.create_subprocess_exec(
         *GATEWAY,
         "serve",
@@ -130,6 +167,7 @@ async def workers(
         str(n),
         "--no-access-log",
         stdout=asyncio.subprocess.PIPE,
+        stderr=stderr,
         env={**os.environ, **(env or {})},
     )
     assert proc.stdout is not None
@@ -254,9 +292,9 @@ async def test_sighup_to_the_supervisor_reloads_every_worker(
 
 
 async def _serve_to_exit(
-    tmp_path: Path, port: int, env: dict[str, str] | None = None
+    tmp_path: Path, port: int, env: dict[str, str] | None = None, workers: int = 2
 ) -> tuple[int | None, bytes, bytes]:
-    """`serve --workers 2` of a one-instance config expected to exit: (status, stdout, stderr)."""
+    """`serve --workers N` of a one-instance config expected to exit: (status, stdout, stderr)."""
     path = tmp_path / "gateway.yaml"
     _write(
         path, port, '      - {name: a, url: "http://127.0.0.1:9/v1", model: up, max_concurrency: 1}'
@@ -267,7 +305,7 @@ async def _serve_to_exit(
         "--config",
         str(path),
         "--workers",
-        "2",
+        str(workers),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         env=env,
@@ -276,32 +314,86 @@ async def _serve_to_exit(
     return proc.returncode, out, err
 
 
-async def test_a_taken_port_is_a_clear_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("n", [1, 2])
+async def test_a_taken_port_is_a_clear_error(tmp_path: Path, n: int) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        code, _, err = await _serve_to_exit(tmp_path, port)
+        code, _, err = await _serve_to_exit(tmp_path, port, workers=n)
         assert code == 1
-        assert b"cannot listen on 127.0.0.1" in err and b"Traceback" not in err
+        assert (
+            err.strip().splitlines()[-1]
+            == f"cannot listen on 127.0.0.1:{port}: Address already in use".encode()
+        )
+        assert b"Traceback" not in err
 
 
 async def test_sigterm_to_the_supervisor_drains_every_worker(
     tmp_path: Path, mocks: MockFactory
 ) -> None:
+    """SPEC §7 × §12: every worker turns unready at once, keeps serving new connections for
+    the delay, then the port refuses them and the in-flight work finishes."""
+    m = await mocks(latency_ms=3000, latency_dist="fixed")
+    async with workers(tmp_path, 2, _instances((m, 4)), drain_delay_ms=2000) as gw:
+        slow = asyncio.create_task(gw.chat())
+        await gw.until(lambda d: d["pools"]["p"]["in_flight"] == 1)
+        m.configure(latency_ms=20)
+        t0 = time.monotonic()
+        gw.proc.send_signal(signal.SIGTERM)
+
+        async def readyz() -> int:
+            async with gw.session.get(gw.url + "/readyz") as r:
+                return r.status
+
+        while await readyz() != 503:
+            assert time.monotonic() - t0 < 0.5, "/readyz still 200"
+        # Both workers: unready (fresh connections land on either), and still serving.
+        draining: set[int] = set()
+        while len(draining) < 2:
+            doc = await gw.state()
+            if doc["draining"]:
+                draining.add(doc["worker"])
+            assert time.monotonic() - t0 < 1.5, draining
+        results = await asyncio.gather(*(gw.chat() for _ in range(8)))
+        assert [r.status for r in results] == [200] * 8
+        assert time.monotonic() - t0 < 2.0, "served during the delay"
+        while True:  # then the port refuses new connections
+            try:
+                _, w = await asyncio.open_connection("127.0.0.1", int(gw.url.rsplit(":", 1)[1]))
+                w.close()
+            except OSError:
+                break
+            assert time.monotonic() - t0 < 6, "still accepting"
+            await asyncio.sleep(0.02)
+        assert time.monotonic() - t0 >= 1.9
+        assert (await slow).status == 200  # in flight through it all
+        assert await asyncio.wait_for(gw.proc.wait(), 20) == 0
+
+
+async def test_a_second_sigterm_to_the_supervisor_skips_the_delay(
+    tmp_path: Path, mocks: MockFactory
+) -> None:
     m = await mocks(latency_ms=500)
-    async with workers(tmp_path, 2, _instances((m, 2))) as gw:
+    async with workers(tmp_path, 2, _instances((m, 2)), drain_delay_ms=30_000) as gw:
         tasks = [asyncio.create_task(gw.chat()) for _ in range(4)]
         await gw.until(lambda d: d["pools"]["p"]["in_flight"] == 2)
+        t0 = time.monotonic()
         gw.proc.send_signal(signal.SIGTERM)
+        await gw.until(lambda d: d["draining"], within=2)
+        gw.proc.send_signal(signal.SIGTERM)  # relayed: every worker skips its 30 s delay
         statuses = [r.status for r in await asyncio.gather(*tasks)]
         assert statuses == [200] * 4
         assert await asyncio.wait_for(gw.proc.wait(), 20) == 0
+        assert time.monotonic() - t0 < 10
 
 
 async def test_kill_9_of_workers_under_load(tmp_path: Path, mocks: MockFactory) -> None:
     m = await mocks(latency_ms=40)
-    async with workers(tmp_path, 4, _instances((m, 4))) as gw:
+    # A kill every second over 4 workers kills replacements within seconds of their start:
+    # the restart back-off (its own test below) is kept short so every slot is back in time.
+    env = {"GATEWAY_WORKER_BACKOFF_MS": "50", "GATEWAY_WORKER_BACKOFF_MAX_MS": "400"}
+    async with workers(tmp_path, 4, _instances((m, 4)), env=env) as gw:
         outcomes: dict[str, int] = {}
         stop = time.monotonic() + 30  # a kill every second for 30 s (issue 12)
 
@@ -451,19 +543,131 @@ async def test_a_saturated_unit_goes_round_every_workers_clients(
         await gw.assert_quiet()
 
 
-async def test_workers_that_cannot_start_stop_the_supervisor(tmp_path: Path) -> None:
-    """A worker dying before it ever listens, three times in a row: exit 1 with a reason, not
-    a restart loop nobody sees."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(
-        "import os, sys\nif os.environ.get('GATEWAY_WORKER'):\n    sys.exit(3)\n"
-    )
-    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    code, out, err = await _serve_to_exit(tmp_path, _free_port(), env)
-    assert code == 1
-    assert b"workers cannot start" in err
-    assert b"listening" not in out
+async def test_a_worker_killed_again_and_again_is_replaced_with_growing_back_off(
+    tmp_path: Path, mocks: MockFactory
+) -> None:
+    """SPEC §12 restart policy: replaced at once, then with doubling back-off (capped) while
+    the replacements keep dying within seconds; the supervisor never gives up, the other
+    worker serves throughout, and `gateway_worker_restarts_total` counts every replacement."""
+    m = await mocks(latency_ms=5)
+    env = {"GATEWAY_WORKER_BACKOFF_MS": "300", "GATEWAY_WORKER_BACKOFF_MAX_MS": "1200"}
+    async with workers(tmp_path, 2, _instances((m, 4)), env=env) as gw:
+        slots = gw.slots()
+        assert sorted(slots) == [0, 1], "ps tells the workers apart"
+        assert _comm(slots[1]) == "gw worker 1/2"  # what top shows
+        assert await gw.metric("gateway_worker_restarts_total") == ["0.0"]
+        delays: list[float] = []
+        for _ in range(5):
+            old = gw.slots()[1]
+            t0 = time.monotonic()
+            os.kill(old, signal.SIGKILL)
+            while gw.slots().get(1) in (None, old):
+                assert time.monotonic() - t0 < 5, f"slot 1 never replaced after {delays}"
+                await asyncio.sleep(0.005)
+            delays.append(time.monotonic() - t0)
+            assert gw.proc.returncode is None
+            assert (await gw.chat()).status == 200  # worker 0 serves meanwhile
+        print("replacement delays:", [round(d, 3) for d in delays])
+        # At once; then 0.3, 0.6, 1.2 s; then capped at 1.2 s (not 2.4).
+        assert delays[0] < 0.25, delays
+        for got, want in zip(delays[1:], (0.3, 0.6, 1.2, 1.2), strict=True):
+            assert want - 0.05 <= got < want + 0.5, delays
+        await gw.until(lambda d: len(gw.slots()) == 2)
+        await gw.assert_quiet()  # both workers answer, nothing held by the dead
+        for _ in range(6):  # any worker's /metrics (fresh connections spread)
+            assert await gw.metric("gateway_worker_restarts_total") == ["5.0"]
+
+
+async def test_a_config_every_worker_refuses_stops_the_supervisor(
+    tmp_path: Path, mocks: MockFactory
+) -> None:
+    """The config file broken on disk: a killed worker's replacements cannot start, and are
+    retried while the other worker serves; once every worker reports the same config error
+    (all were killed), the supervisor exits with it — the one start-up error it stops for."""
+    m = await mocks(latency_ms=5)
+    env = {"GATEWAY_WORKER_BACKOFF_MS": "100", "GATEWAY_WORKER_BACKOFF_MAX_MS": "400"}
+    stderr = asyncio.subprocess.PIPE
+    async with workers(tmp_path, 2, _instances((m, 4)), env=env, stderr=stderr) as gw:
+        path = tmp_path / "gateway.yaml"
+        path.write_text(path.read_text().replace("max_concurrency: 4", "max_concurrency: 0"))
+        os.kill(gw.slots()[1], signal.SIGKILL)
+
+        async def retried() -> bool:
+            values = await gw.metric("gateway_worker_restarts_total")
+            return bool(values) and float(values[0]) >= 3
+
+        deadline = time.monotonic() + 10
+        while not await retried():
+            assert time.monotonic() < deadline, "slot 1 not retried"
+            await asyncio.sleep(0.05)
+        assert gw.proc.returncode is None  # a worker that cannot start is no reason to stop
+        results = await asyncio.gather(*(gw.chat() for _ in range(6)))
+        assert [r.status for r in results] == [200] * 6  # worker 0 serves
+        await gw.assert_quiet(within=2)
+        os.kill(gw.slots()[0], signal.SIGKILL)  # now no worker can start
+        assert await asyncio.wait_for(gw.proc.wait(), 10) == 2
+        assert gw.proc.stderr is not None
+        err = (await gw.proc.stderr.read()).decode()
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("workers cannot start: config error"), err
+        assert "pools.p.instances[0].max_concurrency" in last
+        assert "Traceback" not in err
+
+
+_NO_WORKERS = """\
+import os, socket, sys
+for name in ("memfd_create", "MFD_ALLOW_SEALING", "pidfd_open", "eventfd"):
+    if hasattr(os, name):
+        delattr(os, name)
+if hasattr(socket, "SO_REUSEPORT"):
+    del socket.SO_REUSEPORT
+from gateway.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+async def test_without_memfd_and_pidfd_one_process_serves_and_workers_say_so(
+    tmp_path: Path, mocks: MockFactory
+) -> None:
+    """SPEC §18: a platform without memfd, pidfd, eventfd or SO_REUSEPORT (here: Python's
+    os and socket without them, removed before the gateway is imported)."""
+    m = await mocks(latency_ms=5)
+    port = _free_port()
+    path = tmp_path / "gateway.yaml"
+    _write(path, port, _instances((m, 4)))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _NO_WORKERS, "serve", "--config", str(path),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        assert b"listening on" in line, line
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+            async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+            async with s.get(f"http://127.0.0.1:{port}/readyz") as r:
+                assert r.status == 200
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    out = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _NO_WORKERS, "serve", "--config", str(path), "--workers", "2",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    stdout, stderr = await asyncio.wait_for(out.communicate(), 30)
+    assert out.returncode == 2
+    lines = stderr.decode().strip().splitlines()
+    assert len(lines) == 1, lines  # one clear line
+    assert lines[0].startswith("--workers 2: this platform has no memfd_create"), lines
+    assert "pidfd_open" in lines[0] and "--workers 1" in lines[0]
+    assert b"listening" not in stdout
 
 
 async def test_queue_capacity_bounds_every_workers_queue_together(

@@ -30,13 +30,12 @@ def _event_loop_policy() -> None:
 
 async def serve(args: argparse.Namespace) -> int:
     """Runs the gateway until SIGTERM/SIGINT, then drains (SPEC §7)."""
-    from gateway.server import Server
+    from gateway.server import ListenError, Server
 
     try:
         config = load_config(args.config)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+        return _cannot_start(2, f"config error: {exc}")
     if args.workers > 1 and link() is None:
         return await supervise(args, config)
     server = Server(
@@ -47,21 +46,38 @@ async def serve(args: argparse.Namespace) -> int:
         if link() is None:  # a worker: the supervisor says it once for all (SPEC §12)
             print(f"gateway {__version__} listening on {s.url}", flush=True)
 
-    await server.serve(listening)
+    try:
+        await server.serve(listening)
+    except ListenError as exc:
+        return _cannot_start(1, str(exc))
     return 0
+
+
+def _cannot_start(status: int, reason: str) -> int:
+    """The gateway cannot start: one line on stderr, and `status`. A worker tells its
+    supervisor instead, which says it once for all (SPEC §12: it stops when every worker
+    reports the same; until then the others serve and the slot is retried)."""
+    worker = link()
+    if worker is None or not worker.cannot_start(status, reason):
+        print(reason, file=sys.stderr)
+    return status
 
 
 async def supervise(args: argparse.Namespace, config: Config) -> int:
     """SPEC §12: N workers on one port, one gateway."""
-    from gateway.workers import Supervisor
+    from gateway.workers import Supervisor, unavailable
 
+    missing = unavailable()
+    if missing is not None:  # SPEC §18: where memfd/pidfd are missing, --workers says so
+        print(f"--workers {args.workers}: {missing}", file=sys.stderr)
+        return 2
     if config.cluster is not None:
         print(
             "config error: cluster mode runs one worker per replica (--workers 1)", file=sys.stderr
         )
         return 2
     argv = ["--log-format", args.log_format, "--log-level", args.log_level, "serve"]
-    argv += ["--config", args.config, "--workers", "1"]
+    argv += ["--config", args.config]  # the supervisor adds `--worker K/N` and `--port`
     host = args.host or config.listen.host
     argv += ["--host", host]
     if args.watch:
@@ -119,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="worker processes sharing one scheduling state (SPEC §12): N or auto",
     )
+    # Given by the supervisor to each worker, so `ps` says what the process is ("serve
+    # --worker 1/4": slot 1 of 4); the worker learns its place from its environment.
+    p.add_argument("--worker", metavar="K/N", help=argparse.SUPPRESS)
 
     p = sub.add_parser("check", help="validate a config and print the routing table")
     p.add_argument("file")

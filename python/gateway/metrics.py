@@ -60,6 +60,8 @@ NO_KEY = "none"
 
 #: SPEC §12: where the workers' snapshots live (set by the supervisor; None: one process).
 SHARE_DIR = os.environ.get("GATEWAY_METRICS_DIR") or None
+#: SPEC §12: the supervisor's count of replaced workers, a file in SHARE_DIR (it serves no HTTP).
+WORKER_RESTARTS_FILE = "worker_restarts"
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OPENMETRICS_CONTENT_TYPE = openmetrics.CONTENT_TYPE_LATEST
@@ -163,6 +165,24 @@ class _CoreCollector(Collector):
                 for s in _STATES:
                     state.add_metric([*labels, s], 1.0 if s == inst.state else 0.0)
         yield from (depth, in_flight, capacity, state, ejections, grants, forced)
+
+
+class _RestartsCollector(Collector):
+    """SPEC §12 `gateway_worker_restarts_total`, read at scrape time from the supervisor's file
+    (every worker sees every restart, its own included)."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+
+    def collect(self) -> Iterator[Any]:
+        try:
+            with open(self._path) as f:
+                n = int(f.read())
+        except (OSError, ValueError):
+            n = 0
+        yield CounterMetricFamily(
+            "gateway_worker_restarts", "Worker processes replaced by the supervisor", value=n
+        )
 
 
 class _BatchCollector(Collector):
@@ -288,6 +308,9 @@ class Metrics:
             self.reloads.labels(result)
         # Read at scrape time from the shared region: already the whole gateway's.
         self.registry.register(_CoreCollector(runtime))
+        if SHARE_DIR is not None:
+            restarts = os.path.join(SHARE_DIR, WORKER_RESTARTS_FILE)
+            self.registry.register(_RestartsCollector(restarts))
         self._children: dict[tuple[Any, ...], Any] = {}
 
     def _child(self, metric: Any, *labels: str) -> Any:

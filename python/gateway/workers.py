@@ -9,7 +9,8 @@ descriptors. Each worker runs the ordinary `Server`, its pools attached to the r
 grant takes a unit from the shared lease word, and a unit a worker's own queue should not take
 (the turn is a class only another worker has waiting, or a freed unit nobody here wants) is
 announced by writing the waiting workers' eventfds. A worker ticks every 10 ms (heartbeat, and
-the liveness net for a wake that raced).
+the liveness net for a wake that raced). In `ps` a worker reads `… serve --worker 1/4 …`
+(slot 1 of 4, as `/admin/state` numbers them) and in `top` `gw worker 1/4`.
 
 Crash safety (design/workers.md §3): every unit is held in its owner's field of one atomic
 word, so reclaiming a dead worker is clearing its fields. The supervisor watches each worker
@@ -18,9 +19,22 @@ gone (fenced: a dead process writes nothing more), wakes the others and spawns a
 A worker whose heartbeat stops for `HANG_MS` is killed first. Workers die with the supervisor
 (`PR_SET_PDEATHSIG`), and the memfd with its last descriptor.
 
+Restart policy (SPEC §12): a dead worker is replaced at once, then with doubling back-off (up
+to 30 s) while its replacements keep dying within seconds of starting; the supervisor never
+exits because workers were killed (an OOM-killer storm must not stop the gateway), only on
+SIGTERM/SIGINT or when every slot's worker reports the same start-up error (a bad config: the
+worker writes it to the supervisor's directory before it exits). Replacements are counted in
+`gateway_worker_restarts_total`: the supervisor serves no HTTP, so it keeps the count in a file
+beside the metrics snapshots, which every worker's `/metrics` reads.
+
 Signals: SIGHUP to the supervisor reloads every worker; `POST /admin/reload` to any worker
 reloads it and asks the supervisor (SIGUSR1) to reload the others; SIGTERM/SIGINT drain them
-all, then the supervisor exits.
+all (each worker drains as one gateway would, SPEC §7: a second signal, relayed, skips the
+delay), then the supervisor exits. Workers run in their own process group, so a terminal's
+Ctrl-C reaches them once, through the supervisor.
+
+Platforms (SPEC §18): memfd, pidfd, eventfd and SO_REUSEPORT are Linux's; `unavailable()` says
+what is missing, and nothing here calls them unless `--workers N > 1` was asked for.
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ import asyncio
 import contextlib
 import ctypes
 import fcntl
+import json
 import logging
 import os
 import shutil
@@ -43,8 +58,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway import _core
+from gateway.metrics import WORKER_RESTARTS_FILE
 
-__all__ = ["HANG_MS", "TICK_S", "Supervisor", "WorkerLink", "link", "resolve_workers"]
+__all__ = [
+    "HANG_MS",
+    "TICK_S",
+    "Supervisor",
+    "WorkerLink",
+    "link",
+    "resolve_workers",
+    "unavailable",
+]
 
 log = logging.getLogger("gateway.workers")
 
@@ -53,13 +77,17 @@ log = logging.getLogger("gateway.workers")
 HANG_MS = int(os.environ.get("GATEWAY_WORKER_HANG_MS", "10000"))
 #: Each worker's tick: heartbeat, and the net under cross-worker wake-ups.
 TICK_S = 0.010
-#: A worker that dies sooner than this after its start is restarted after a pause (no spin).
-_CRASH_LOOP_S = 1.0
-#: A slot whose worker died this many times in a row before it ever listened: the gateway
-#: cannot start (bad environment, a port taken by another program); the supervisor gives up.
-_FAILED_STARTS = 3
+#: SPEC §12 restart policy: a worker that dies sooner than this after its start died "within
+#: seconds of starting"; its slot's next replacement waits (doubling from `BACKOFF_MS`, at most
+#: `BACKOFF_MAX_MS`). The environment variables `GATEWAY_WORKER_BACKOFF_MS` and
+#: `GATEWAY_WORKER_BACKOFF_MAX_MS` override the two (tests run the policy in seconds).
+QUICK_DEATH_S = 10.0
+BACKOFF_MS = int(os.environ.get("GATEWAY_WORKER_BACKOFF_MS", "1000"))
+BACKOFF_MAX_MS = int(os.environ.get("GATEWAY_WORKER_BACKOFF_MAX_MS", "30000"))
 _ENV = "GATEWAY_WORKER"
 _BATCH_ENV = "GATEWAY_WORKER_BATCH_SOCKET"
+#: The supervisor's directory, where a worker that cannot start says why.
+_DIR_ENV = "GATEWAY_WORKER_DIR"
 
 _link: WorkerLink | None = None
 
@@ -72,7 +100,8 @@ def link() -> WorkerLink | None:
 def resolve_workers(value: str) -> int:
     """`--workers N` or `auto` (the CPUs this process may run on), 1..MAX_WORKERS."""
     if value == "auto":
-        n = len(os.sched_getaffinity(0))
+        affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every CPU
+        n = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
     else:
         try:
             n = int(value)
@@ -83,6 +112,43 @@ def resolve_workers(value: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError("--workers must be at least 1")
     return min(n, _core.MAX_WORKERS)
+
+
+def unavailable() -> str | None:
+    """SPEC §18: why `--workers N > 1` cannot run on this platform (None: it can). The shared
+    region is a sealed memfd, each worker is watched through a pidfd and woken through an
+    eventfd, and the workers share the port with SO_REUSEPORT: each is checked for and tried
+    once (a Linux before 5.3 has the names but answers ENOSYS)."""
+    missing = [
+        name
+        for name, there in (
+            ("memfd_create", hasattr(os, "memfd_create") and hasattr(os, "MFD_ALLOW_SEALING")),
+            ("file seals", hasattr(fcntl, "F_ADD_SEALS")),
+            ("pidfd_open", hasattr(os, "pidfd_open")),
+            ("eventfd", hasattr(os, "eventfd")),
+            ("SO_REUSEPORT", hasattr(socket, "SO_REUSEPORT")),
+        )
+        if not there
+    ]
+    if not missing:
+        try:
+            os.close(os.pidfd_open(os.getpid()))
+        except OSError:
+            missing.append("pidfd_open")
+        try:
+            fd = os.memfd_create("gateway-probe", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            try:
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
+            finally:
+                os.close(fd)
+        except OSError:
+            missing.append("memfd_create with seals")
+    if not missing:
+        return None
+    return (
+        f"this platform has no {', '.join(missing)} (Linux 5.3 or later has them all): "
+        "serve with one process per port (--workers 1)"
+    )
 
 
 @dataclass
@@ -97,6 +163,8 @@ class WorkerLink:
     #: SPEC §14 with workers: worker 0 serves the Batch API on this Unix socket, the others
     #: relay to it.
     batch_socket: str = ""
+    #: The supervisor's directory (where `cannot_start` leaves its report).
+    directory: str = ""
     #: Called (on the loop) when another worker woke this one.
     on_wake: Callable[[], None] | None = None
     _pending: int = field(default=0, repr=False)
@@ -119,6 +187,7 @@ class WorkerLink:
             wake_fds=wake_fds,
             supervisor=int(supervisor),
             batch_socket=os.environ.get(_BATCH_ENV, ""),
+            directory=os.environ.get(_DIR_ENV, ""),
         )
 
     @property
@@ -158,6 +227,26 @@ class WorkerLink:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(self.supervisor, signal.SIGUSR1)
 
+    def cannot_start(self, status: int, reason: str) -> bool:
+        """SPEC §12: this worker cannot start (a bad config): tells the supervisor why, before
+        exiting with `status`. When every slot reports the same, the supervisor exits with it;
+        until then the slot is retried with back-off (the others keep serving). False if the
+        report could not be written."""
+        if not self.directory:
+            return False
+        path = _report_path(self.directory, self.slot)
+        try:
+            with open(path + ".tmp", "w") as f:
+                json.dump({"status": status, "reason": reason}, f)
+            os.replace(path + ".tmp", path)
+        except OSError:
+            return False
+        return True
+
+
+def _report_path(directory: str, slot: int) -> str:
+    return os.path.join(directory, f"cannot-start.{slot}")
+
 
 def enter_worker() -> WorkerLink | None:
     """At a worker's start: attach to the region, die with the supervisor."""
@@ -168,10 +257,22 @@ def enter_worker() -> WorkerLink | None:
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        # What `top` and `ps -o comm` show (15 bytes at most); `ps` shows `--worker k/N`.
+        name = f"gw worker {found.slot}/{found.workers}".encode()[:15]
+        libc.prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
     if os.getppid() != found.supervisor:
         os._exit(0)  # the supervisor died before the death signal was armed
     _link = found
     return found
+
+
+@dataclass(frozen=True)
+class StartError:
+    """What a worker that could not start reported (SPEC §12: "a start-up error every worker
+    reports alike")."""
+
+    status: int
+    reason: str
 
 
 @dataclass
@@ -181,18 +282,34 @@ class _Slot:
     proc: subprocess.Popen[bytes] | None = None
     pidfd: int = -1
     started: float = 0.0
-    #: Deaths in a row before this incarnation's first heartbeat.
-    failed_starts: int = 0
+    #: Deaths in a row, each within `QUICK_DEATH_S` of its start (the back-off's exponent).
+    quick_deaths: int = 0
+    #: The start-up error its latest worker reported (None: it started, or died otherwise).
+    start_error: StartError | None = None
+    #: A replacement is waiting out its back-off.
+    respawn: asyncio.TimerHandle | None = None
 
 
 class Supervisor:
-    """Runs N workers of one `gateway serve` command line as one gateway (SPEC §12)."""
+    """Runs N workers of one `gateway serve` command line as one gateway (SPEC §12). `argv` is
+    the workers' command line after `gateway`, with `serve` and without `--port`."""
 
-    def __init__(self, workers: int, argv: list[str], host: str, port: int) -> None:
+    def __init__(
+        self,
+        workers: int,
+        argv: list[str],
+        host: str,
+        port: int,
+        *,
+        backoff_ms: int = BACKOFF_MS,
+        backoff_max_ms: int = BACKOFF_MAX_MS,
+    ) -> None:
         self.n = workers
         self.argv = argv
         self.host = host
         self.port = port
+        self.backoff_ms = backoff_ms
+        self.backoff_max_ms = backoff_max_ms
         self._slots = [_Slot(k) for k in range(workers)]
         self._stopping = False
         self._shm = os.memfd_create("gateway-workers", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -209,13 +326,16 @@ class Supervisor:
         self.port = self._sock.getsockname()[1]
         self._done = asyncio.Event()
         self.reclaimed = 0
-        #: The workers could not start (the exit status is then 1).
-        self.failed = False
+        #: Replacements started (SPEC §12 `gateway_worker_restarts_total`).
+        self.restarts = 0
+        #: Why the workers could not start (then the supervisor's exit status is its status).
+        self.failure: StartError | None = None
         self._dir = tempfile.mkdtemp(prefix="gateway-workers-")
         self.batch_socket = os.path.join(self._dir, "batch.sock")
         # SPEC §12 /metrics of the whole gateway: each worker's snapshot (gateway.metrics).
         self.metrics_dir = os.path.join(self._dir, "metrics")
         os.mkdir(self.metrics_dir)
+        self._count_restarts()  # 0 from the start, so a rate works from the first scrape
 
     def _reserve_port(self) -> socket.socket:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
@@ -235,9 +355,17 @@ class Supervisor:
         env = dict(os.environ)
         env[_ENV] = f"{slot.index}:{slot.incarnation}:{self._shm}:{os.getpid()}:{fds}"
         env[_BATCH_ENV] = self.batch_socket
+        env[_DIR_ENV] = self._dir
         env["GATEWAY_METRICS_DIR"] = self.metrics_dir
-        argv = [sys.executable, "-m", "gateway.cli", *self.argv, "--port", str(self.port)]
-        proc = subprocess.Popen(argv, env=env, pass_fds=(self._shm, *self._wake))
+        # `ps` says what each process is: `serve --worker 1/4` (slot 1 of 4), not the
+        # operator's `--workers 4` (without setproctitle: the title is the command line).
+        at = self.argv.index("serve") + 1
+        argv = [sys.executable, "-m", "gateway.cli", *self.argv[:at]]
+        argv += ["--worker", f"{slot.index}/{self.n}", *self.argv[at:], "--port", str(self.port)]
+        # Its own process group: a terminal's Ctrl-C (SIGINT to the foreground group) reaches
+        # the workers once, relayed by the supervisor, not twice (SPEC §7: a second signal
+        # skips the drain delay).
+        proc = subprocess.Popen(argv, env=env, pass_fds=(self._shm, *self._wake), process_group=0)
         slot.proc = proc
         slot.started = time.monotonic()
         slot.pidfd = os.pidfd_open(proc.pid)
@@ -260,37 +388,75 @@ class Supervisor:
         assert proc is not None
         code = proc.wait()  # reaped: fenced, it writes nothing more
         slot.proc = None
+        listened = self.region.worker(slot.index)[3] != 0  # its first tick comes after listen
         units = self.region.reclaim(slot.index)
         self.reclaimed += units
         for fd in self._wake:  # the reclaimed units may serve someone waiting elsewhere
             with contextlib.suppress(OSError):
                 os.eventfd_write(fd, 1)
+        report = self._take_report(slot)
         if self._stopping:
             if all(s.proc is None for s in self._slots):
                 self._done.set()
             return
-        log.warning(
-            "worker died",
-            extra={"fields": {"worker": slot.index, "code": code, "reclaimed": units}},
-        )
-        if self.region.worker(slot.index)[3] == 0:  # it never got as far as its first tick
-            slot.failed_starts += 1
-            if slot.failed_starts >= _FAILED_STARTS:
-                log.error(
-                    "workers cannot start: giving up",
-                    extra={"fields": {"worker": slot.index, "attempts": slot.failed_starts}},
-                )
-                self.failed = True
-                self.stop()
-                return
-        else:
-            slot.failed_starts = 0
-        pause = _CRASH_LOOP_S if time.monotonic() - slot.started < _CRASH_LOOP_S else 0.0
-        loop.call_later(pause, self._respawn, slot)
+        slot.start_error = None if listened else report
+        lived = time.monotonic() - slot.started
+        # SPEC §12: replaced at once, then with doubling back-off (up to 30 s) while the
+        # replacements keep dying within seconds of starting.
+        slot.quick_deaths = slot.quick_deaths + 1 if lived < QUICK_DEATH_S else 1
+        pause_ms = 0
+        if slot.quick_deaths > 1:
+            pause_ms = min(self.backoff_max_ms, self.backoff_ms << min(slot.quick_deaths - 2, 30))
+        # SPEC §12: the supervisor never exits because workers were killed, only on
+        # SIGTERM/SIGINT or a start-up error every worker reports alike (a bad config).
+        first = self._slots[0].start_error
+        alike = first is not None and all(s.start_error == first for s in self._slots)
+        fields: dict[str, object] = {
+            "worker": slot.index,
+            "code": code,
+            "lived_s": round(lived, 3),
+            "reclaimed": units,
+            "restart_in_ms": None if alike else pause_ms,
+        }
+        if report is not None:
+            fields["reason"] = report.reason
+        log.warning("worker died", extra={"fields": fields})
+        if alike:
+            assert first is not None
+            log.error(
+                "every worker reports the same start-up error: stopping",
+                extra={"fields": {"status": first.status}},
+            )
+            self.failure = first
+            self.stop()
+            return
+        slot.respawn = loop.call_later(pause_ms / 1000, self._respawn, slot)
+
+    def _take_report(self, slot: _Slot) -> StartError | None:
+        """The start-up error the slot's worker left before exiting (read once)."""
+        path = _report_path(self._dir, slot.index)
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+            os.unlink(path)
+            return StartError(int(doc["status"]), str(doc["reason"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def _respawn(self, slot: _Slot) -> None:
+        slot.respawn = None
         if not self._stopping and slot.proc is None:
+            self.restarts += 1
+            self._count_restarts()
             self._spawn(slot)
+
+    def _count_restarts(self) -> None:
+        """Every worker's /metrics reads this count (the supervisor serves no HTTP)."""
+        path = os.path.join(self.metrics_dir, WORKER_RESTARTS_FILE)
+        with contextlib.suppress(OSError):
+            with open(path + ".tmp", "w") as f:
+                f.write(str(self.restarts))
+            os.replace(path + ".tmp", path)
 
     def _signal_all(self, sig: int, but: int | None = None) -> None:
         for slot in self._slots:
@@ -313,32 +479,45 @@ class Supervisor:
                     with contextlib.suppress(ProcessLookupError):
                         slot.proc.kill()
 
-    async def _ready(self, timeout_s: float = 60.0) -> bool:
-        """Every worker listening (its first heartbeat is written after it listens)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+    async def _ready(self) -> bool:
+        """Every worker listening (its first heartbeat is written after it listens); False
+        if the supervisor stops first."""
+        while not self._stopping:
             if all(s.proc is not None and self.region.worker(s.index)[3] != 0 for s in self._slots):
                 return True
-            if all(s.proc is None for s in self._slots):
-                return False
             await asyncio.sleep(0.02)
         return False
 
     def stop(self) -> None:
+        """Drains every worker (SIGTERM), then `run` returns."""
         if self._stopping:
             return
         self._stopping = True
         log.info("stopping workers")
+        for slot in self._slots:
+            if slot.respawn is not None:
+                slot.respawn.cancel()
+                slot.respawn = None
         self._signal_all(signal.SIGTERM)
         if all(s.proc is None for s in self._slots):
             self._done.set()
 
+    def _signalled(self) -> None:
+        """SIGTERM/SIGINT: the first drains every worker; each later one is relayed (SPEC §7:
+        the second skips the workers' drain delay, a third ends their drain)."""
+        if self._stopping:
+            self._signal_all(signal.SIGTERM)
+        else:
+            self.stop()
+
     async def run(self, on_listening: Callable[[Supervisor], None] | None = None) -> int:
+        """Runs the workers until SIGTERM/SIGINT (0) or until every worker reports the same
+        start-up error (its status)."""
         loop = asyncio.get_running_loop()
         for slot in self._slots:
             self._spawn(slot)
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop)
+            loop.add_signal_handler(sig, self._signalled)
         loop.add_signal_handler(signal.SIGHUP, self._signal_all, signal.SIGHUP)
         loop.add_signal_handler(signal.SIGUSR1, self._signal_all, signal.SIGHUP)
         hangs = loop.create_task(self._watch_hangs())
@@ -354,4 +533,7 @@ class Supervisor:
                 loop.remove_signal_handler(sig)
             self._sock.close()
             shutil.rmtree(self._dir, ignore_errors=True)
-        return 1 if self.failed else 0
+        if self.failure is not None:
+            print(f"workers cannot start: {self.failure.reason}", file=sys.stderr, flush=True)
+            return self.failure.status or 1
+        return 0
