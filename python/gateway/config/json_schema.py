@@ -64,8 +64,10 @@ def json_schema() -> dict[str, Any]:
     return {
         "$schema": SCHEMA_DIALECT,
         "title": "gateway configuration",
-        "description": root.pop("description", ""),
-        **{k: v for k, v in root.items() if k != "title"},
+        "description": "The gateway's YAML configuration (`gateway serve --config FILE`). "
+        "Only `pools` and `models` are required. `gateway check FILE` validates a file "
+        "completely (references between sections, URLs, environment variables).",
+        **{k: v for k, v in root.items() if k not in ("title", "description")},
         "$defs": defs,
     }
 
