@@ -1300,3 +1300,51 @@ def test_many_errors_never_contain_secrets() -> None:
     assert len(err.errors) == 5, err
     assert "CANARY" not in str(err)
     assert all("CANARY" not in str(e) for e in err.errors)
+
+
+_ODD_VALUES = st.recursive(
+    st.sampled_from(
+        [None, 0, -1, 2**70, 1.5, "", "x", "light", "${UNSET}", "${", "http://h:1/v1", True]
+    ),
+    lambda inner: (
+        st.lists(inner, max_size=2)
+        | st.dictionaries(
+            st.sampled_from(["pool", "url", "keys", "high", "colour"]), inner, max_size=2
+        )
+    ),
+    max_leaves=4,
+)
+
+
+def _places(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every path into `node`'s mappings and lists, `()` included."""
+    out = [prefix]
+    items = (
+        node.items()
+        if isinstance(node, dict)
+        else enumerate(node)
+        if isinstance(node, list)
+        else ()
+    )
+    for key, value in items:
+        out += _places(value, (*prefix, key))
+    return out
+
+
+@given(st.data())
+def test_any_broken_config_gives_errors_never_a_crash(data: st.DataObject) -> None:
+    """Whatever is wrong, and wherever: a `ConfigError` listing at least one error, each with
+    a reason (never another exception from the collecting decoder or the partial checks)."""
+    d = minimal()
+    for _ in range(data.draw(st.integers(1, 3))):
+        place = data.draw(st.sampled_from([p for p in _places(d) if p]))
+        *parents, last = place
+        node: Any = d
+        for part in parents:
+            node = node[part]
+        node[last] = data.draw(_ODD_VALUES)
+    try:
+        load(d)
+    except ConfigError as err:
+        assert err.errors and all(e.reason and e.errors == [e] for e in err.errors)
+        assert len({(e.path, e.reason) for e in err.errors}) == len(err.errors)  # no repeats
