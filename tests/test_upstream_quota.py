@@ -183,6 +183,29 @@ async def test_a_429_is_retried_on_an_instance_with_room(
     await gw.assert_quiet()
 
 
+async def test_a_retry_that_finds_the_rest_cooling_is_answered_now(
+    quota: QuotaFactory, mocks: MockFactory, gateway_factory: GatewayFactory
+) -> None:
+    """One instance is paused by its quota, the other fails (500): a request whose attempt on
+    the failing one leaves only the paused one is answered 429 at once — not held in the
+    queue until the 7 s pause ends."""
+    limited = await quota(retry_after="7")
+    broken = await mocks(fail_rate=1.0, fail_status=500)
+    gw = await gateway_factory(
+        config(("p", [limited.instance("limited"), pool_config(broken)["instances"][0]]))
+    )
+    await _post(gw)  # 502 or 429 as the order of the two attempts falls: either way, paused
+    assert _states(await gw.state())["limited"] == "cooling"
+    for _ in range(3):
+        status, body, headers, took = await _post(gw)
+        assert status == 429 and body["error"]["code"] == "rate_limited", body
+        # the earliest instance it could use is the failing one, not ejected: there now
+        assert headers["Retry-After"] == "1"
+        assert took < 2.0
+    assert limited.hits == 1 and broken.stats.requests_total == 4
+    await gw.assert_quiet()
+
+
 async def test_fallback_pool_serves_when_the_primary_is_at_its_quota(
     quota: QuotaFactory, mocks: MockFactory, gateway_factory: GatewayFactory
 ) -> None:
