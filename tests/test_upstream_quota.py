@@ -28,7 +28,7 @@ UPSTREAM_KEY = "sk-upstream-quota-key-0123456789"
 class QuotaServer:
     """An upstream answering every completion with `status` (OpenAI's quota answer by
     default): `Retry-After: retry_after` when given, and a body quoting the key it was sent
-    (an upstream that echoes credentials must not get them to the client)."""
+    and its own address (neither may reach the client)."""
 
     def __init__(self, status: int = 429, retry_after: str | None = "7") -> None:
         self.status = status
@@ -44,7 +44,7 @@ class QuotaServer:
         body = {
             "error": {
                 "message": "Rate limit reached for gpt-4o on requests per min (RPM): Limit 3, "
-                f"Used 3, Requested 1. Sent with {auth}.",
+                f"Used 3, Requested 1. Sent with {auth} to {request.host}.",
                 "type": "requests",
                 "param": None,
                 "code": "rate_limit_exceeded",
@@ -152,6 +152,7 @@ async def test_every_instance_at_its_quota_answers_429_with_retry_after(
     assert "requests per min" in err["message"]
     assert "retry after 7s" in err["message"]  # what the Batch API reads
     assert UPSTREAM_KEY not in str(body) and "quota-key" not in str(body)
+    assert f"127.0.0.1:{a.port}" not in err["message"]  # nor where the instance is
     # each instance tried once (SPEC §6: retried on another, never the same)
     assert (a.hits, b.hits) == (1, 1)
     assert _states(await gw.state()) == {"qa": "cooling", "qb": "cooling"}

@@ -28,6 +28,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import msgspec
 import orjson
@@ -349,17 +350,19 @@ def exhausted(last: AttemptError, wait_ms: Callable[[], int]) -> GatewayError:
     """
     if last.timeout:
         return UpstreamTimedOut(f"Upstream timed out: {last}.")
+    # "retry after Ns" as the gateway's own 429 says it (the Batch API reads it from there).
+    said = str(last).rstrip(". ")
     if last.status == 429:
         wait = wait_ms()
         return UpstreamRateLimited(
             f"The upstream's rate limit was reached; retry after {math.ceil(wait / 1000)}s "
-            f"({last}).",
+            f"({said}).",
             retry_after_ms=wait,
         )
     if last.status == 503 and last.retry_after_ms > 0:
         wait = wait_ms()
         return UpstreamUnavailable(
-            f"The upstream asked for a pause; retry after {math.ceil(wait / 1000)}s ({last}).",
+            f"The upstream asked for a pause; retry after {math.ceil(wait / 1000)}s ({said}).",
             wait,
         )
     return UpstreamFailed(f"Upstream failed: {last}.")
@@ -493,11 +496,15 @@ class Forwarder:
         if status in (429, 503):
             cool_ms = parse_retry_after_ms(resp_up.headers, config.health.max_ejection_ms)
             # SPEC §7: a quota answer reaches the client (429 `rate_limited`); what the upstream
-            # said (which limit, a quota exhausted for good) helps it, once no secret is in it.
+            # said (which limit, a quota exhausted for good) helps it, once no secret and no
+            # address of the instance is in it.
             said = _error_fields(raw, status)[0]
             if said:
+                said = self._scrub(upstream, said)
+                for where in (upstream.base_url, urlsplit(upstream.base_url).netloc):
+                    said = said.replace(where, "[upstream]") if where else said
                 # Scrubbed whole, then cut: a cut could split a secret past recognition.
-                reason += ": " + self._scrub(upstream, said)[:_SAID_CHARS]
+                reason += ": " + said[:_SAID_CHARS]
         return AttemptError(reason, status=status, retry_after_ms=cool_ms)
 
     async def _client_error(
