@@ -11,7 +11,7 @@ RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml 2>/dev/null) Carg
 .PHONY: help install build-dev format lint typecheck test test-rust test-python miri bench bench-compare demo wheel wheel-aarch64 sdist dist-check clean
 
 help: ## show this help
-	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
+	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
