@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import os
 import shutil
-import signal
 import tempfile
 import textwrap
 import time
@@ -45,7 +44,7 @@ import orjson
 import uvloop
 import yaml
 
-from _harness import PY, Processes, cpu_seconds, free_port, wait_port
+from _harness import PY, Processes, cpu_seconds, free_port, terminate, wait_port
 from gateway.auth import ANONYMOUS
 from gateway.config import parse_config
 from gateway.messages import ENDPOINTS
@@ -215,7 +214,7 @@ def main() -> int:
         if pin:
             os.sched_setaffinity(0, {1})
         asyncio.run(rounds(f"http://127.0.0.1:{gw_port}", gw.pid, args.lines, args.rounds))
-        gw.send_signal(signal.SIGTERM)
+        terminate(gw)
         gw.wait(10)
         cfg_in = yaml.safe_load(cfg.read_text())
         cfg_in["listen"]["port"] = 0
