@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway import metrics as metrics_module
 from gateway.logs import JsonFormatter, TextFormatter
+from gateway.metrics import Metrics
 from gateway.redact import RedactingFilter
 from support import GatewayFactory, MockFactory, RunningGateway, chat, pool_config, simple_config
 
@@ -451,3 +456,49 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def test_per_key_series_survive_the_workers_snapshot_sum(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SPEC §12: a scrape sums this worker's per-key counts with the other workers' snapshots;
+    a reload that removes a key (`keep_keys`) drops this worker's series of it and the scrape
+    goes on (another worker's counts stay in the sum until it reloads too)."""
+    monkeypatch.setattr(metrics_module, "SHARE_DIR", str(tmp_path))
+    runtime = SimpleNamespace(pools={})
+    peer = Metrics(lambda: runtime)  # type: ignore[arg-type,return-value]
+    peer.keep_keys(["free", "paid"])
+    peer.request_done("p", "high", 200, "free")
+    peer.used_tokens("p", "a", {"prompt_tokens": 5, "completion_tokens": 7}, "free")
+    peer.flush()
+    # the peer's snapshot as another (live) process's: this test's parent
+    os.replace(tmp_path / f"{os.getpid()}.json", tmp_path / f"{os.getppid()}.json")
+    own = Metrics(lambda: runtime)  # type: ignore[arg-type,return-value]
+    own.keep_keys(["free", "paid"])
+    for key in ("free", "free", "paid"):
+        own.request_done("p", "high", 200, key)
+    own.used_tokens("p", "a", {"prompt_tokens": 1, "completion_tokens": 2}, "free")
+
+    def scraped() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(own.render().decode())
+            for s in fam.samples
+            if s.name.startswith("gateway_key_") and s.name.endswith("_total")
+        }
+
+    got = scraped()
+    assert got[("gateway_key_requests_total", (("code", "200"), ("key", "free")))] == 3
+    assert got[("gateway_key_requests_total", (("code", "200"), ("key", "paid")))] == 1
+    assert got[("gateway_key_tokens_total", (("key", "free"), ("kind", "prompt")))] == 6
+    assert got[("gateway_key_tokens_total", (("key", "free"), ("kind", "completion")))] == 9
+    own.keep_keys(["paid"])  # a reload removed "free"
+    own.request_done("p", "high", 401)  # and its next request is nobody's
+    got = scraped()
+    assert got[("gateway_key_requests_total", (("code", "200"), ("key", "free")))] == 1  # peer's
+    assert got[("gateway_key_requests_total", (("code", "200"), ("key", "paid")))] == 1
+    assert got[("gateway_key_requests_total", (("code", "401"), ("key", "none")))] == 1
+    peer.keep_keys(["paid"])  # the peer reloads too: the name is gone from the sum
+    peer.flush()
+    os.replace(tmp_path / f"{os.getpid()}.json", tmp_path / f"{os.getppid()}.json")
+    assert all(dict(labels).get("key") != "free" for _, labels in scraped())
