@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
+import re
+import time
 import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
 from gateway import http1
-from gateway.http1 import BodyTooLarge, Client, ConnectError
+from gateway.http1 import REUSE_QUIET_S, BodyTooLarge, Client, ConnectError
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], "asyncio.Future[None] | None"]
 
@@ -66,7 +69,9 @@ async def client_factory() -> AsyncIterator[Callable[[int], Client]]:
     made: list[Client] = []
 
     def make(port: int) -> Client:
-        c = Client(f"http://127.0.0.1:{port}/v1", connect_timeout=2)
+        # Reused at once: these tests are about framing, not the rest after a response
+        # (test_a_connection_rests_after_its_response covers that).
+        c = Client(f"http://127.0.0.1:{port}/v1", connect_timeout=2, reuse_quiet_s=0)
         made.append(c)
         return c
 
@@ -548,9 +553,11 @@ async def test_an_absurd_chunk_size_does_not_allocate(
 
     async with ScriptServer(script) as srv:
         c = client_factory(srv.port)
+        # No bound on a chunk's size here (`max_chunk`): what llhttp does with it alone.
+        unbounded = 1 << 70
         tracemalloc.start()
         try:
-            resp = await c.request(c.head("POST", "/", ""), b"")
+            resp = await c.request(c.head("POST", "/", ""), b"", max_chunk=unbounded)
             with pytest.raises(BodyTooLarge):
                 await resp.read(1 << 20)
             _, peak = tracemalloc.get_traced_memory()
@@ -558,12 +565,165 @@ async def test_an_absurd_chunk_size_does_not_allocate(
             tracemalloc.stop()
         assert peak < 8 << 20
         # read piece by piece, the body ends in a reset when the server closes mid-chunk
-        resp = await c.request(c.head("POST", "/", ""), b"")
+        resp = await c.request(c.head("POST", "/", ""), b"", max_chunk=unbounded)
         total = 0
         with pytest.raises(ConnectionResetError, match="mid-body"):
             while piece := await resp.readany():
                 total += len(piece)
         assert total == 64 * 65536
+
+
+@pytest.mark.parametrize(
+    ("writes", "split"),
+    [
+        pytest.param([CHUNKED + b"FFFFFFFFFFFFFFFF\r\nxy"], False, id="with-head"),
+        pytest.param([CHUNKED, b"FFFFFFFFFFFFFFFF\r\n", b"xy"], False, id="after-head"),
+        pytest.param([CHUNKED + b"2\r\n{}\r\n1000", b"01\r\nxy"], True, id="split-size"),
+        pytest.param([CHUNKED[:-1], b"\n4;ext=1\r\nab", b"cd\r\n20001\r\n"], True, id="split-head"),
+    ],
+)
+async def test_a_chunk_over_the_bound_fails_at_once(
+    client_factory: Callable[[int], Client], writes: list[bytes], split: bool
+) -> None:
+    """SPEC §16: "a chunk larger than the response bound is a framing error" — declared,
+    not waited for: the upstream holds its connection open and sends nothing more."""
+
+    async def script(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int
+    ) -> None:
+        await read_request(reader)
+        for piece in writes:
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.01)  # separate reads on the client's side
+        await reader.read()  # held open until the client leaves
+
+    async with ScriptServer(script) as srv:
+        c = client_factory(srv.port)
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionResetError, match="declared a chunk of"):
+            resp = await c.request(c.head("POST", "/", ""), b"", max_chunk=0x10000)
+            await resp.read()
+        assert time.monotonic() - t0 < 1.0
+        assert c.idle_connections == 0
+
+
+async def test_chunk_sizes_are_read_wherever_the_reads_split(
+    client_factory: Callable[[int], Client],
+) -> None:
+    """The chunk-size reading never refuses a valid body, however it is cut into reads."""
+    rng = random.Random(25)
+    body = b"".join(b"data: %d\n\n" % i for i in range(200))
+    pieces = []
+    pos = 0
+    while pos < len(body):
+        n = rng.choice((1, 3, 17, 100, 700))
+        pieces.append(body[pos : pos + n])
+        pos += n
+    wire = b"".join(b"%x;x=y\r\n%b\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+    full = CHUNKED + wire
+    cuts = sorted(rng.sample(range(1, len(full)), 60))
+
+    async def script(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int
+    ) -> None:
+        await read_request(reader)
+        last = 0
+        for cut in [*cuts, len(full)]:
+            writer.write(full[last:cut])
+            last = cut
+            await writer.drain()
+            await asyncio.sleep(0.001)
+        await reader.read()
+
+    async with ScriptServer(script) as srv:
+        c = client_factory(srv.port)
+        resp = await c.request(c.head("POST", "/", ""), b"", max_chunk=max(map(len, pieces)))
+        assert await resp.read() == body
+        resp.release()
+
+
+async def test_a_connection_rests_after_its_response() -> None:
+    """SPEC §16: "connections are never reused within a few milliseconds of a response
+    ending": a request right after another opens a connection; once the first has rested it
+    is reused again."""
+    async with RawServer([OK]) as srv:
+        c = Client(f"http://127.0.0.1:{srv.port}/v1", connect_timeout=2)
+        try:
+            assert await _get(c) == (200, b"{}")
+            assert await _get(c) == (200, b"{}")
+            assert srv.connections == 2
+            await asyncio.sleep(REUSE_QUIET_S * 2)
+            assert await _get(c) == (200, b"{}")
+            assert srv.connections == 2
+        finally:
+            await c.close()
+
+
+async def test_a_duplicate_answer_in_the_rest_costs_only_that_connection() -> None:
+    """A backend that sends its answer twice, 2 ms apart: the duplicate lands on the resting
+    connection (unsolicited bytes: lost), never on the next request."""
+    two = OK.replace(b"{}", b"{1") + b""
+
+    async def script(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int
+    ) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while await read_request(reader):
+                writer.write(two)
+                await asyncio.sleep(0.002)
+                writer.write(two)  # the same answer again
+                await writer.drain()
+
+    async with ScriptServer(script) as srv:
+        # a rest far longer than the 2 ms, so a loaded test machine cannot blur the two
+        c = Client(f"http://127.0.0.1:{srv.port}/v1", connect_timeout=2, reuse_quiet_s=0.05)
+        try:
+            for _ in range(20):
+                assert await _get(c) == (200, b"{1")
+        finally:
+            await c.close()
+
+
+async def test_an_echoed_request_id_of_another_request_is_a_framing_error(
+    client_factory: Callable[[int], Client],
+) -> None:
+    """SPEC §16: where the backend echoes the request id, a mismatch is a framing error; the
+    request is sent once more on a fresh connection and gets its own answer."""
+    answers = [b"HTTP/1.1 200 OK\r\nX-Request-Id: other\r\nContent-Length: 2\r\n\r\n{}"]
+
+    async def script(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int
+    ) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            await _answer_echoing(reader, writer, index)
+
+    async def _answer_echoing(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int
+    ) -> None:
+        while head := await read_request(reader):
+            rid = re.search(rb"X-Request-Id: (\S+)", head)
+            mine = rid.group(1) if rid else b"none"
+            if answers and index == 0 and b"want-other" in head:
+                writer.write(answers.pop())
+            else:
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nX-Request-Id: %b\r\nContent-Length: %d\r\n\r\n%b"
+                    % (mine, len(mine), mine)
+                )
+            await writer.drain()
+
+    async with ScriptServer(script) as srv:
+        c = client_factory(srv.port)
+        head = c.head("POST", "/", "X-Request-Id: a1\r\n")
+        resp = await c.request(head, b"", request_id="a1")
+        assert await resp.read() == b"a1"
+        resp.release()
+        head = c.head("POST", "/", "X-Request-Id: b2\r\nX-Want: want-other\r\n")
+        resp = await c.request(head, b"", request_id="b2")
+        assert await resp.read() == b"b2"
+        resp.release()
+        assert srv.connections == 2  # the crossed one was lost, the retry on a fresh one
 
 
 async def test_an_endless_body_is_flow_controlled(client_factory: Callable[[int], Client]) -> None:

@@ -24,6 +24,7 @@ import contextlib
 import email.utils
 import logging
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -79,6 +80,8 @@ _CLIENT_HIGH_WATER = 256 * 1024
 _STALLED = "upstream stream stalled"
 #: How much of an upstream's 429/503 message is quoted to the client.
 _SAID_CHARS = 300
+# A request id the upstream may be sent as `X-Request-Id` (the ingress's own ids all are).
+_HEADER_SAFE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 #: Body fields that could steer a request elsewhere; never forwarded (SPEC §7).
 URL_FIELDS = frozenset(("api_base", "base_url", "api_key", "organization", "extra_headers"))
@@ -446,10 +449,20 @@ class Forwarder:
         """Sends the request and reads the response head. SPEC §6 timeouts: the head within
         the first-byte timeout; from then on the attempt's total (`deadline`) is armed."""
         watchdog = ex.watchdog
-        first_byte_ms = self._runtime().config.timeouts.first_byte_ms
+        config = self._runtime().config
+        first_byte_ms = config.timeouts.first_byte_ms
         watchdog.arm(min(t0 + first_byte_ms / 1000, deadline))
+        rid = ex.request_id
         resp_up = await _guarded(
-            upstream.open(endpoint.path, body.for_model(upstream.model), ex.trace_headers),
+            upstream.open(
+                endpoint.path,
+                body.for_model(upstream.model),
+                ex.trace_headers,
+                # the id only where it is header-safe (ours always is; a batch line's too)
+                request_id=rid if _HEADER_SAFE.fullmatch(rid) else None,
+                # SPEC §16: "a chunk larger than the response bound is a framing error".
+                max_chunk=config.limits.max_response_bytes,
+            ),
             watchdog,
             f"{upstream.name} sent no response head in time",
             "upstream connection failed",

@@ -14,7 +14,21 @@ What it does, and only that (an OpenAI-compatible upstream needs no more):
 
 - one request at a time per connection; the request head prebuilt per upstream (`head()`), sent
   with its body in one write; redirects never followed (a 3xx is returned as it is);
-- idle connections reused LIFO (the warmest first), at most `_MAX_IDLE` of them;
+- idle connections reused LIFO (the warmest first), at most `_MAX_IDLE` of them, and none
+  within `REUSE_QUIET_S` (5 ms) of its last response's end. SPEC §16: "connections are never
+  reused within a few milliseconds of a response ending with bytes still possibly in flight":
+  a backend that sends its answer twice, a few ms apart, loses the connection to the duplicate
+  (unsolicited bytes on an idle connection) instead of handing it to the next request;
+- SPEC §16: "where the backend echoes the request id [...] the gateway checks it and treats a
+  mismatch as a framing error": a response whose `X-Request-Id` is not the one sent (`request`'s
+  `request_id`) loses its connection, and the request is sent once more on a fresh one (as for
+  the keep-alive race: the answer it got was another request's);
+- SPEC §16 "a chunk larger than the response bound is a framing error": llhttp (through
+  httptools) does not expose a chunk's declared size, so the client reads each chunk-size line
+  itself, at chunk boundaries only (the head is fed up to its end so the body's first byte is
+  known; between sizes the data is skipped by count). A size over `request`'s `max_chunk`
+  (2**64-1 included) fails the response at once instead of waiting for bytes that never come.
+  llhttp still parses and validates every byte: this reading only ever rejects;
 - SPEC §16: "An upstream that breaks HTTP framing (bytes past a message, unsolicited bytes on an
   idle connection, an invalid status line) loses that connection, and never another request's
   response." A connection goes back to the pool only when its response ended exactly at a
@@ -49,7 +63,9 @@ import asyncio
 import base64
 import ipaddress
 import os
+import re
 import ssl as ssl_module
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from urllib.parse import SplitResult, unquote, urlsplit
@@ -65,6 +81,12 @@ _MAX_INTERIM = 10  # 1xx responses before the final one
 HIGH_WATER = 256 * 1024
 _MAX_IDLE = 256  # idle keep-alive connections kept per upstream
 _MAX_PROXY_HEAD = 16 * 1024  # a proxy's answer to CONNECT
+#: SPEC §16: a connection rests this long after its response before it carries another request.
+REUSE_QUIET_S = 0.005
+#: A chunk larger than this (bytes) is a framing error unless `request` says otherwise.
+DEFAULT_MAX_CHUNK = 64 << 20
+_MAX_SIZE_LINE = 4096  # a chunk-size line with its extensions
+_BLANK = re.compile(rb"\n\r?\n")  # where a head may end (llhttp needs the LF)
 
 
 class ConnectError(OSError):
@@ -77,6 +99,10 @@ class BodyTooLarge(ConnectionResetError):
 
 class _Stale(ConnectionResetError):
     """A reused connection was closed by the server before any byte of the answer."""
+
+
+class _Crossed(ConnectionResetError):
+    """The response names another request (`X-Request-Id`): the connection was out of step."""
 
 
 class _Violation(Exception):
@@ -104,12 +130,15 @@ class _Conn(asyncio.Protocol):
 
     __slots__ = (
         "_buffered",
+        "_chunk_left",
         "_chunks",
         "_client",
         "_complete",
         "_dirty",
+        "_done_at",
         "_eof_framed",
         "_error",
+        "_expect_id",
         "_got_bytes",
         "_head_bytes",
         "_head_done",
@@ -120,14 +149,18 @@ class _Conn(asyncio.Protocol):
         "_keep_alive",
         "_loop",
         "_lost",
+        "_max_chunk",
         "_nheaders",
         "_parser",
         "_paused",
         "_response",
         "_reused",
+        "_scan",
         "_sink",
         "_sink_error",
         "_sink_stopped",
+        "_size_line",
+        "_tail",
         "_waiter",
         "_why",
         "active",
@@ -151,11 +184,18 @@ class _Conn(asyncio.Protocol):
         self._sink: Callable[[bytes], bool] | None = None
         self._sink_error: BaseException | None = None
         self._sink_stopped = False
-        self._begin(False)
+        self._done_at = 0.0  # when its last response was released (monotonic)
+        self._begin(False, None, DEFAULT_MAX_CHUNK)
 
-    def _begin(self, head_only: bool) -> None:
+    def _begin(self, head_only: bool, expect_id: str | None, max_chunk: int) -> None:
         """Resets the per-response state before a request is sent."""
         self._head_only = head_only
+        self._expect_id = expect_id
+        self._max_chunk = max_chunk
+        self._scan = False  # reading chunk-size lines (a chunked body)
+        self._chunk_left = 0  # bytes of the current chunk (and its CRLF) not seen yet
+        self._size_line = b""  # an unfinished chunk-size line
+        self._tail = b""  # the last bytes of an unfinished head
         self._got_bytes = False
         self._head_done = False
         self._complete = False
@@ -185,7 +225,9 @@ class _Conn(asyncio.Protocol):
         self._got_bytes = True
         head_before = self._head_done
         try:
-            self._parser.feed_data(data)
+            body = self._feed_head(data) if not head_before else data
+            if body and not (self._scan and self._scan_chunks(body)):
+                self._parser.feed_data(body)
         except HttpParserUpgrade:
             self._broken("upstream switched protocols (HTTP 101)")
         except HttpParserError as exc:
@@ -235,6 +277,74 @@ class _Conn(asyncio.Protocol):
             self._waiter = None
             if not waiter.done():
                 waiter.set_result(None)
+
+    def _feed_head(self, data: bytes) -> bytes:
+        """Feeds `data` up to the end of the response head (each blank line a head may end
+        at, in turn, until the final head is done); returns the bytes after it (the body's
+        first bytes; empty when the head is still unfinished: all was fed)."""
+        feed = self._parser.feed_data
+        n = len(data)
+        pos = 0
+        tail = self._tail
+        while True:
+            end = -1
+            if pos == 0 and tail:
+                # a blank line split between the last read and this one
+                joined = tail + data[:2]
+                for m in _BLANK.finditer(joined):
+                    if m.end() > len(tail):
+                        end = m.end() - len(tail)
+                        break
+            if end < 0:
+                found = _BLANK.search(data, pos)
+                end = found.end() if found is not None else n
+            feed(data if pos == 0 and end == n else data[pos:end])
+            pos = end
+            if self._head_done:
+                return data[pos:] if pos < n else b""
+            if pos >= n:
+                self._tail = (tail + data)[-2:]
+                return b""
+
+    def _scan_chunks(self, data: bytes) -> bool:
+        """SPEC §16: reads the chunk-size lines in `data` (skipping chunk data by count);
+        True when a chunk is larger than the response bound (the response failed)."""
+        left = self._chunk_left
+        n = len(data)
+        if left >= n:
+            self._chunk_left = left - n
+            return False
+        pos = left
+        line = self._size_line
+        while True:
+            end = data.find(b"\n", pos)
+            if end < 0:
+                line += data[pos:]
+                if len(line) > _MAX_SIZE_LINE:
+                    self._fail(f"upstream chunk-size line over {_MAX_SIZE_LINE} bytes")
+                    return True
+                self._size_line = line
+                self._chunk_left = 0
+                return False
+            text = line + data[pos:end] if line else data[pos:end]
+            line = b""
+            try:
+                size = int(text.split(b";", 1)[0], 16)
+            except ValueError:
+                # not a size: llhttp refuses the line itself (and says why)
+                self._scan = False
+                return False
+            if size > self._max_chunk:
+                self._fail(f"upstream declared a chunk of {size} bytes (over {self._max_chunk})")
+                return True
+            if size == 0:
+                self._scan = False  # the last chunk: trailers (if any) and the end follow
+                return False
+            pos = end + 1 + size + 2  # the data and its CRLF
+            if pos >= n:
+                self._chunk_left = pos - n
+                self._size_line = b""
+                return False
 
     # -- llhttp callbacks --------------------------------------------------------------------
 
@@ -292,7 +402,17 @@ class _Conn(asyncio.Protocol):
             # Other transfer codings would have to be decoded; no upstream of ours uses them.
             self._why = "upstream used a transfer coding other than chunked"
             raise _Violation
+        expect = self._expect_id
+        if expect is not None:
+            echoed = dict.get(headers, "x-request-id")
+            if echoed is not None and echoed != expect:
+                # SPEC §16: the backend echoes the request id and this is not ours (a late
+                # duplicate of an earlier answer, say): a framing error.
+                self._why = "upstream answered another request (X-Request-Id)"
+                self._error = _Crossed(f"upstream broke HTTP framing: {self._why}")
+                raise _Violation
         self._keep_alive = parser.should_keep_alive()
+        self._scan = te is not None
         self._eof_framed = (
             te is None and "content-length" not in headers and status != 204 and status != 304
         )
@@ -381,9 +501,11 @@ class _Conn(asyncio.Protocol):
         if transport is not None and not transport.is_closing():
             transport.resume_reading()
 
-    async def exchange(self, payload: bytes, head_only: bool) -> Response:
+    async def exchange(
+        self, payload: bytes, head_only: bool, expect_id: str | None, max_chunk: int
+    ) -> Response:
         """Sends one request; returns once the final response head arrived."""
-        self._begin(head_only)
+        self._begin(head_only, expect_id, max_chunk)
         self.active = True
         transport = self.transport
         assert transport is not None
@@ -551,6 +673,7 @@ class Response:
             conn._chunks.clear()
             conn._buffered = 0
             conn.active = False
+            conn._done_at = time.monotonic()
             if conn._paused:
                 conn.resume()
             conn._client._put(conn)
@@ -656,7 +779,8 @@ class Client:
     """Keep-alive connections to one upstream origin, directly or through an egress proxy.
 
     `ca_file` / `server_name` are SPEC §6's `tls:` (for `https` only); `proxy` an explicit
-    egress proxy URL, which wins over the environment (read here, once, when `trust_env`)."""
+    egress proxy URL, which wins over the environment (read here, once, when `trust_env`);
+    `reuse_quiet_s` how long a connection rests after a response before it is reused."""
 
     def __init__(
         self,
@@ -667,8 +791,10 @@ class Client:
         server_name: str | None = None,
         proxy: str | None = None,
         trust_env: bool = True,
+        reuse_quiet_s: float = REUSE_QUIET_S,
     ) -> None:
         parts = urlsplit(base_url)
+        self.reuse_quiet_s = reuse_quiet_s
         self.secure = parts.scheme == "https"
         self.host = parts.hostname or ""
         self.port = parts.port or (443 if self.secure else 80)
@@ -690,12 +816,14 @@ class Client:
         self._proxy_error: str | None = None
         self._resolve_proxy(proxy, os.environ if trust_env else {})
         self._idle: deque[_Conn] = deque()
+        # Released within the last `REUSE_QUIET_S`, oldest first: not reused yet.
+        self._resting: deque[_Conn] = deque()
         self.closed = False
 
     @property
     def idle_connections(self) -> int:
         """How many keep-alive connections wait in the pool for the next request."""
-        return len(self._idle)
+        return len(self._idle) + len(self._resting)
 
     @property
     def proxy_address(self) -> tuple[str, int] | None:
@@ -810,6 +938,13 @@ class Client:
 
     def _get(self) -> _Conn | None:
         idle = self._idle
+        resting = self._resting
+        if resting:
+            # SPEC §16: "connections are never reused within a few milliseconds of a response
+            # ending with bytes still possibly in flight".
+            rested = time.monotonic() - self.reuse_quiet_s
+            while resting and resting[0]._done_at <= rested:
+                idle.append(resting.popleft())
         while idle:
             conn = idle.pop()
             if conn.usable():
@@ -819,10 +954,10 @@ class Client:
         return None
 
     def _put(self, conn: _Conn) -> None:
-        if self.closed or len(self._idle) >= _MAX_IDLE:
+        if self.closed or len(self._idle) + len(self._resting) >= _MAX_IDLE:
             conn.abort()
         else:
-            self._idle.append(conn)
+            self._resting.append(conn)
 
     def head(self, method: str, path: str, headers: str) -> bytes:
         """A request head up to (not including) Content-Length; `headers` is `Name: v\\r\\n`*."""
@@ -830,24 +965,38 @@ class Client:
             "latin-1"
         )
 
-    async def request(self, head: bytes, body: bytes, head_only: bool = False) -> Response:
+    async def request(
+        self,
+        head: bytes,
+        body: bytes,
+        head_only: bool = False,
+        *,
+        request_id: str | None = None,
+        max_chunk: int = DEFAULT_MAX_CHUNK,
+    ) -> Response:
         """Sends `head` (from `head()`) with `body`; returns once the final response head
-        arrived. Cancellation at any point cuts the connection."""
+        arrived. Cancellation at any point cuts the connection. `request_id`: the
+        `X-Request-Id` the head carries (an echo of another is a framing error); `max_chunk`:
+        the largest chunk a chunked body may declare."""
         payload = b"".join((head, b"Content-Length: ", b"%d" % len(body), b"\r\n\r\n", body))
         conn = self._get()
         if conn is not None:
             try:
-                return await conn.exchange(payload, head_only)
-            except _Stale:
-                pass  # the keep-alive race: the server had closed it; once more, on a fresh one
+                return await conn.exchange(payload, head_only, request_id, max_chunk)
+            except (_Stale, _Crossed):
+                # the keep-alive race (the server had closed it), or the answer of another
+                # request: once more, on a fresh connection
+                pass
         conn = await self._connect()
-        return await conn.exchange(payload, head_only)
+        return await conn.exchange(payload, head_only, request_id, max_chunk)
 
     def close_idle(self) -> None:
         """Closes the idle connections and stops pooling (in-flight ones close when done)."""
         self.closed = True
         while self._idle:
             self._idle.pop().abort()
+        while self._resting:
+            self._resting.pop().abort()
 
     async def close(self) -> None:
         self.close_idle()

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 from gateway import __version__
 from gateway.config import InstanceSpec, Timeouts
-from gateway.http1 import Client, ConnectError, Response
+from gateway.http1 import DEFAULT_MAX_CHUNK, Client, ConnectError, Response
 
 __all__ = ["AttemptError", "Upstream"]
 
@@ -111,17 +111,34 @@ class Upstream:
             self._heads[(method, path)] = head
         return head
 
-    async def open(self, path: str, body: bytes, extra_headers: bytes = b"") -> Response:
+    async def open(
+        self,
+        path: str,
+        body: bytes,
+        extra_headers: bytes = b"",
+        *,
+        request_id: str | None = None,
+        max_chunk: int = DEFAULT_MAX_CHUNK,
+    ) -> Response:
         """Sends the request (`path` below the base URL); returns once the response head
         arrived. Raises `AttemptError` on connect errors and resets (the caller bounds the
-        time; a cancellation cuts the connection)."""
+        time; a cancellation cuts the connection).
+
+        `request_id` goes upstream as `X-Request-Id` (vLLM with request-id headers echoes
+        it, as the mock does); SPEC §16: "where the backend echoes the request id [...] the
+        gateway checks it and treats a mismatch as a framing error". `max_chunk`: SPEC §16,
+        "a chunk larger than the response bound is a framing error"."""
         # `extra_headers`: whole `Name: value\r\n` lines (the W3C trace context) after the
         # prebuilt head, which ends before Content-Length.
         head = self._head("POST", self._base_path + path)
+        if request_id is not None:
+            head += b"X-Request-Id: %b\r\n" % request_id.encode("latin-1")
         if extra_headers:
             head += extra_headers
         try:
-            return await self._client.request(head, body)
+            return await self._client.request(
+                head, body, request_id=request_id, max_chunk=max_chunk
+            )
         except TimeoutError:
             raise AttemptError("connecting to the upstream timed out", timeout=True) from None
         except ConnectError as exc:

@@ -326,7 +326,9 @@ class MockServer:
         """Bind and serve; returns the bound port."""
         # handler_cancellation: a client that goes away cancels its handler, as a real
         # backend stops generating; it is what `stats.cancelled` counts.
-        server = web.Server(self._handle, handler_cancellation=True, access_log=None)
+        server = web.Server(
+            self._handle, handler_cancellation=True, access_log=None, request_factory=_echoing
+        )
         self._runner = web.ServerRunner(server, shutdown_timeout=1.0)
         await self._runner.setup()
         self._stopping = False
@@ -993,3 +995,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"gateway mock: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+class _EchoingRequest(web.BaseRequest):
+    """A request whose answer echoes its `X-Request-Id`, as vLLM does with request-id headers
+    (the gateway checks the echo: SPEC §16)."""
+
+    async def _prepare_hook(self, response: web.StreamResponse) -> None:
+        rid = self.headers.get("X-Request-Id")
+        if rid is not None and "X-Request-Id" not in response.headers:
+            response.headers["X-Request-Id"] = rid
+
+
+def _echoing(
+    message: Any, payload: Any, protocol: Any, writer: Any, task: asyncio.Task[None]
+) -> web.BaseRequest:
+    return _EchoingRequest(message, payload, protocol, writer, task, protocol._loop)
