@@ -225,6 +225,12 @@ def _instance_doc(i: InstanceSnapshot, offset: float) -> dict[str, Any]:
         "last_error_at": round(last[0], 3) if last else None,
         # SPEC §13: this replica's leased slots (cluster mode only).
         **({"lease": i.lease} if i.lease is not None else {}),
+        # SPEC §15 (affinity pools): prompt blocks remembered as sent to it, and their bound.
+        **(
+            {"prefix_index": {"blocks": i.prefix_index[0], "capacity": i.prefix_index[1]}}
+            if i.prefix_index is not None
+            else {}
+        ),
         # SPEC §15: what a vLLM backend last reported of its own load (null: not read).
         "backend": (
             {"waiting": i.backend.waiting, "gpu_cache_usage": i.backend.gpu_cache_usage}

@@ -24,7 +24,7 @@ from aiohttp.web_protocol import RequestHandler
 
 from gateway import telemetry
 from gateway.admin import Admin
-from gateway.affinity import affinity_key
+from gateway.affinity import affinity_placement
 from gateway.auth import KeyRing, Tenant
 from gateway.batch import BATCH_PATHS, BatchService
 from gateway.batch.relay import BatchRelay, is_batch_path
@@ -453,8 +453,11 @@ class Gateway:
         router = self.runtime.router
         ex.decision = router.decide(alias, headers, data, tenant.priority)
         if router.affinity_prefix_chars:
-            # SPEC §15: the key affinity pools place the request by (its session or prefix).
-            ex.affinity_key = affinity_key(headers, data, router.affinity_prefix_chars)
+            # SPEC §15: what affinity pools place the request by (its session, its prompt's
+            # chained block hashes).
+            ex.affinity_key, ex.affinity_prefix = affinity_placement(
+                headers, data, self.runtime.config.affinity
+            )
         if ex.span is not None:
             ex.span.routed(alias, data)
         body = _upstream_body(data)
@@ -622,9 +625,15 @@ class Gateway:
         t_queue = time.monotonic()
         qspan = ex.span.queue(pool.name) if ex.span is not None else None
         try:
-            key = ex.affinity_key if pool.affine else 0
-            idx, ex.waited_as, placed = await pool.acquire(ticket, priority, tenant, excluded, key)
+            key, prefix = (ex.affinity_key, ex.affinity_prefix) if pool.affine else (0, None)
+            idx, ex.waited_as, placed, matched = await pool.acquire(
+                ticket, priority, tenant, excluded, key, prefix
+            )
             ex.affinity = placed.label
+            if prefix is not None:
+                # SPEC §15: the matched length, in `X-Gateway-Affinity-Match` and the log.
+                ex.affinity_match = matched * self.runtime.config.affinity.block_bytes
+                self.metrics.affinity_placed(pool.name, placed.label, ex.affinity_match)
         except QueueFull as exc:
             raise with_retry_after(
                 QueueFull(f"Pool {pool.name!r} is saturated and its queue is full; retry later."),
@@ -695,6 +704,8 @@ class Gateway:
             key=ex.key_name,
             prompt_tokens=_count(usage.get("prompt_tokens")),
             completion_tokens=_count(usage.get("completion_tokens")),
+            affinity=ex.affinity if ex.affinity_key or ex.affinity_prefix is not None else None,
+            affinity_match=ex.affinity_match,
         )
         if logging_on:
             access_log.info("request", extra={"fields": event.fields()})

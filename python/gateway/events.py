@@ -44,6 +44,9 @@ class RequestFinished:
     # Tokens the upstream's `usage` reported for the answer (None: it reported none).
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    # SPEC §15: hit, spill or none, and the prompt bytes the instance held (None: no blocks).
+    affinity: str | None = None
+    affinity_match: int | None = None
     at: float = field(default_factory=time.time)
 
     def fields(self) -> dict[str, Any]:

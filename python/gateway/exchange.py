@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gateway._core import Priority
+from gateway._core import Prefix, Priority
 from gateway.deadline import Watchdog
 from gateway.router import Decision
 
@@ -52,6 +52,10 @@ class Exchange:
     # it — `hit`, `spill` or `none` (`X-Gateway-Affinity`).
     affinity_key: int = 0
     affinity: str = "none"
+    # SPEC §15: the prompt's chained block hashes (None: no full block, or no affinity pool),
+    # and the bytes of its leading blocks the granted instance held (None: not placed by them).
+    affinity_prefix: Prefix | None = None
+    affinity_match: int | None = None
     # Who asked: "http" (a client), or "batch" (a Batch API line run by the gateway itself).
     source: str = "http"
     # The name (`auth.keys[].name`, never the key) of the client key that made the request;
@@ -85,6 +89,8 @@ class Exchange:
             h["X-Gateway-Instance"] = self.instance
             h["X-Gateway-Queue-Ms"] = f"{self.queue_ms:.1f}"
             h["X-Gateway-Affinity"] = self.affinity
+            if self.affinity_match is not None:
+                h["X-Gateway-Affinity-Match"] = str(self.affinity_match)
         if self.spilled_from is not None:
             h["X-Gateway-Spilled-From"] = self.spilled_from
         if self.limit_headers:

@@ -271,6 +271,22 @@ class Metrics:
         #: OpenMetrics exemplars (`telemetry.exemplars`): off unless asked for — a trace id on a
         #: bucket is another tenant's, readable by whoever scrapes.
         self.exemplars = False
+        # SPEC §15 "The decision is ... in metrics": placements by prompt blocks, per pool —
+        # hit (the best-ranked instance, holding part of the prompt), miss (the best-ranked,
+        # holding none of it: a new prefix), spill (a lower-ranked one, the bound or a full
+        # instance said no) — and the prompt bytes the chosen instances held.
+        self.affinity = Counter(
+            "gateway_affinity_placements",
+            "Requests placed by prompt prefix blocks, per pool and result (hit, miss, spill)",
+            ["pool", "result"],
+            registry=r,
+        )
+        self.affinity_bytes = Counter(
+            "gateway_affinity_matched_bytes",
+            "Prompt bytes the chosen instance already held (leading blocks), per pool",
+            ["pool"],
+            registry=r,
+        )
         self.reloads = Counter(
             "gateway_config_reloads", "Config reloads by result", ["result"], registry=r
         )
@@ -371,6 +387,13 @@ class Metrics:
         if ttfb is not None:
             self._child(self.ttfb, pool, instance).observe(ttfb, exemplar)
         self._child(self.upstream_latency, pool, instance).observe(total, exemplar)
+
+    def affinity_placed(self, pool: str, label: str, matched_bytes: int) -> None:
+        """SPEC §15: one placement by prompt blocks (`label`: the core's hit or spill)."""
+        result = "spill" if label == "spill" else ("hit" if matched_bytes else "miss")
+        self._child(self.affinity, pool, result).inc()
+        if matched_bytes:
+            self._child(self.affinity_bytes, pool).inc(matched_bytes)
 
     def retry(self, pool: str) -> None:
         self._child(self.retries, pool).inc()

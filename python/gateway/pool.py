@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from gateway import _core
 from gateway._core import Affinity, InstanceState, Outcome, Priority
-from gateway.affinity import stable_id
+from gateway.affinity import prefix_capacity_blocks, stable_id
 from gateway.backend_load import BackendLoad
 from gateway.cluster.local import LocalLeases
 from gateway.config import Config, PoolSpec
@@ -61,6 +61,8 @@ def core_config(config: Config, pool: PoolSpec) -> _core.PoolConfig:
         overflow_high_to_low=s.overflow_high_to_low,
         balancer=_BALANCERS[pool.balancer or config.balancer],
         affinity_epsilon=config.affinity.epsilon,
+        # SPEC §15: "bounded by that instance's cache size".
+        prefix_capacity_blocks=prefix_capacity_blocks(config.affinity, len(pool.instances)),
         failure_threshold=h.failure_threshold,
         ejection_ms=h.ejection_ms,
         max_ejection_ms=h.max_ejection_ms,
@@ -94,6 +96,9 @@ class InstanceSnapshot:
     # SPEC §13: the slots of it this replica holds (None: cluster mode off). In cluster mode
     # `max_concurrency` stays the configured capacity; the core's cap is this lease.
     lease: int | None = None
+    # SPEC §15 (`balancer: affinity`): prompt blocks the index remembers as sent to it, and
+    # its bound (the instance's cache size in blocks); None in other pools.
+    prefix_index: tuple[int, int] | None = None
 
     @property
     def usable(self) -> bool:
@@ -193,13 +198,16 @@ class Pool:
         tenant: int = 0,
         excluded: int = 0,
         affinity_key: int = 0,
-    ) -> tuple[int, Priority, Affinity]:
+        prefix: _core.Prefix | None = None,
+    ) -> tuple[int, Priority, Affinity, int]:
         """Waits for a slot: (instance index, the class it waited in, where it landed relative
-        to its affinity key). See `PoolScheduler`."""
+        to its affinity key, the leading blocks of `prefix` it holds). See `PoolScheduler`."""
         if self._leases is not None:
             # SPEC §13: only instances this replica holds a lease of (a local mask, no Redis).
             excluded = await self._leases.admit(excluded)
-        return await self._scheduler.acquire(ticket, priority, tenant, excluded, affinity_key)
+        return await self._scheduler.acquire(
+            ticket, priority, tenant, excluded, affinity_key, prefix
+        )
 
     def upstream(self, index: int) -> Upstream:
         return self._upstreams[index]
@@ -345,6 +353,7 @@ class Pool:
             last_error=self._last_errors.get(up),
             backend=self._backend.get(up),
             lease=None if leases is None else leases.lease(i),
+            prefix_index=(info.prefix_blocks, info.prefix_capacity) if self.affine else None,
         )
 
     def _on_transition(self, index: int, state: InstanceState) -> None:

@@ -52,7 +52,7 @@ class PoolScheduler:
         self._link = link
         # Told of every instance state change (ejected, half-open, restored), for the logs.
         self.on_transition = on_transition
-        self._waiters: dict[int, tuple[asyncio.Future[tuple[int, Affinity]], Priority]] = {}
+        self._waiters: dict[int, tuple[asyncio.Future[tuple[int, Affinity, int]], Priority]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: int | None = None
 
@@ -63,9 +63,11 @@ class PoolScheduler:
         tenant: int = 0,
         excluded: int = 0,
         affinity_key: int = 0,
-    ) -> tuple[int, Priority, Affinity]:
-        """Waits for a slot; returns the granted instance index, the class it waited in and
-        where it landed relative to its affinity key (SPEC §15; `NONE` without a key).
+        prefix: _core.Prefix | None = None,
+    ) -> tuple[int, Priority, Affinity, int]:
+        """Waits for a slot; returns the granted instance index, the class it waited in,
+        where it landed relative to its affinity key (SPEC §15; `NONE` without a key) and how
+        many leading blocks of its prompt (`prefix`) that instance holds.
 
         Raises `QueueFull`, `NoHealthyInstance` (nothing up: try the fallback), `Unservable`
         (evicted while waiting, a `NoHealthyInstance`) or `QueueTimeout`. If the caller is
@@ -73,25 +75,27 @@ class PoolScheduler:
         the cancellation, its slot is released).
         """
         core = self.core
-        granted = core.submit(ticket, priority, now_ms(), tenant, excluded, affinity_key)
+        granted = core.submit(ticket, priority, now_ms(), tenant, excluded, affinity_key, prefix)
         if core.has_transitions:
             self._transitions()
         if self._link is not None:
             self._wake_peers()
         if granted is not None:
-            return granted, priority, core.last_affinity() if affinity_key else Affinity.NONE
+            if not affinity_key and prefix is None:
+                return granted, priority, Affinity.NONE, 0
+            return granted, priority, core.last_affinity(), core.last_matched_blocks()
         # SPEC §3 "Overflow": a high request may wait as low.
         waited_as = core.waiting_class(ticket) or priority
-        fut: asyncio.Future[tuple[int, Affinity]] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[tuple[int, Affinity, int]] = asyncio.get_running_loop().create_future()
         self._waiters[ticket] = (fut, waited_as)
         self.deliver(core.take_events())
         self._arm()
         try:
-            instance, placed = await fut
+            instance, placed, matched = await fut
         except asyncio.CancelledError:
             self._abandon(ticket)
             raise
-        return instance, waited_as, placed
+        return instance, waited_as, placed, matched
 
     def _abandon(self, ticket: int) -> None:
         """The waiter went away: take it out of the queue, or give back a slot it was granted."""
@@ -141,7 +145,7 @@ class PoolScheduler:
                     # slot must never leak): hand the slot straight back.
                     self.deliver(self.core.release(ticket, Outcome.NEUTRAL, now_ms()))
                 else:
-                    fut.set_result((event.instance, event.affinity))
+                    fut.set_result((event.instance, event.affinity, event.matched_blocks))
             elif waiter is not None and fut is not None and not fut.done():
                 if event.kind is EventKind.EXPIRED:
                     fut.set_exception(

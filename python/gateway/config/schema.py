@@ -325,13 +325,25 @@ class Auth(_Section, frozen=True, kw_only=True):
 
 
 class Affinity(_Section, frozen=True, kw_only=True):
-    """Prefix affinity (SPEC §15), for pools with `balancer: affinity`: the key is a hash of
-    the first `prefix_chars` characters of the rendered messages (or the session); an instance
-    takes an affine request only while its load is at most `(1 + epsilon)` times the pool's
-    average."""
+    """Prefix affinity (SPEC §15), for pools with `balancer: affinity`: the rendered prompt is
+    cut into `block_bytes` blocks (at most `max_blocks`), chained hashes; a request goes to the
+    instance holding the longest run of them (a session keeps one instance); an instance takes
+    an affine request only while its load is at most `(1 + epsilon)` times the pool's average.
+    The index remembers, per instance, about as many blocks as `cache_tokens` fill, within
+    `index_mib` for all instances."""
 
+    # Kept so that existing files load; the blocks replaced it (`max_blocks × block_bytes`).
     prefix_chars: Annotated[int, msgspec.Meta(ge=1, le=1_048_576)] = 2048
     epsilon: Annotated[float, msgspec.Meta(ge=0.01, le=100.0)] = 0.25
+    # SPEC §15: "the rendered prompt is cut into blocks, each block's hash chained to the
+    # previous one" — 64 bytes of UTF-8 are about one 16-token vLLM block.
+    block_bytes: Annotated[int, msgspec.Meta(ge=16, le=4096)] = 64
+    max_blocks: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 512
+    # "bounded by that instance's cache size": the KV-cache tokens of one instance.
+    cache_tokens: Annotated[int, msgspec.Meta(ge=1, le=2**40)] = 131_072
+    # Part of every block's hash: replicas and workers with the same seed agree.
+    hash_seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
+    index_mib: Annotated[int, msgspec.Meta(ge=1, le=65_536)] = 64
 
 
 class Limits(_Section, frozen=True, kw_only=True):

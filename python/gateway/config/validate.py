@@ -173,6 +173,9 @@ def _sections(parts: Parts) -> Iterator[ConfigError]:
                 )
     if parts.ok("batch"):
         yield from _batch(cfg.batch.store)
+    if parts.ok("affinity") and cfg.affinity.block_bytes % 16:
+        # SPEC §15: the core hashes blocks in 16-byte words.
+        yield ConfigError("affinity.block_bytes", "must be a multiple of 16")
 
 
 def _batch(store: str) -> Iterator[ConfigError]:

@@ -20,6 +20,11 @@ Like vLLM it can also hold a batch and a prefix cache (SPEC §15's reason to exi
   `vllm:num_requests_waiting` (requests beyond `max_num_seqs`), `vllm:num_requests_running`,
   `vllm:gpu_cache_usage_perc` (LRU fill ratio), and prefix-cache query/hit counters (per
   request, where vLLM counts tokens).
+- with `prefix_block_chars` > 0 the cache is vLLM's instead: an LRU of `prefix_cache` *blocks*
+  of that many characters, each keyed by the prompt up to its end (vLLM's chained block
+  hashes), full blocks only; a request reuses the longest cached run of its leading blocks and
+  caches the rest. Its block size is its own (vLLM's 16 tokens are not the gateway's 64
+  bytes), and `prefix_cached_chars` / `prefix_prompt_chars` count the cached share.
 """
 
 from __future__ import annotations
@@ -100,6 +105,8 @@ class MockBehavior(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prefix_cache: int = 0  # prompt prefixes kept (LRU); 0 = no prefix cache
     prefix_chars: int = 2048  # how much of the rendered prompt a prefix covers
     prefill_us_per_char: float = 0.0  # prefill cost of each prompt character not cached
+    # > 0: `prefix_cache` counts blocks of this many characters (vLLM's block cache)
+    prefix_block_chars: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fail_rate <= 1.0:
@@ -115,6 +122,7 @@ class MockBehavior(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "max_num_seqs",
             "prefix_cache",
             "prefill_us_per_char",
+            "prefix_block_chars",
         )
         for name in nonneg:
             if getattr(self, name) < 0:
@@ -146,6 +154,8 @@ class MockStats(msgspec.Struct, kw_only=True):
     peak_waiting: int = 0
     prefix_hits: int = 0  # generations whose prompt prefix was cached
     prefix_misses: int = 0
+    prefix_cached_chars: int = 0  # block cache: prompt characters found cached
+    prefix_prompt_chars: int = 0  # block cache: prompt characters looked up
 
 
 def sample_latency_ms(rng: random.Random, b: MockBehavior) -> float:
@@ -501,7 +511,9 @@ class MockServer:
             return 0.0
         prompt = render_prefix(body, 1 << 30)
         uncached = len(prompt)
-        if b.prefix_cache:
+        if b.prefix_cache and b.prefix_block_chars:
+            uncached -= self._block_lookup(prompt, b)
+        elif b.prefix_cache:
             prefix = prompt[: b.prefix_chars]
             if prefix in self._prefixes:
                 self._prefixes.move_to_end(prefix)
@@ -513,6 +525,44 @@ class MockServer:
                 if len(self._prefixes) > b.prefix_cache:
                     self._prefixes.popitem(last=False)
         return uncached * b.prefill_us_per_char / 1000.0
+
+    def _block_lookup(self, prompt: str, b: MockBehavior) -> int:
+        """The block cache: the cached characters of `prompt`'s leading full blocks; caches
+        the rest (and refreshes the used ones)."""
+        size = b.prefix_block_chars
+        keys = [prompt[: k + size] for k in range(0, len(prompt) - size + 1, size)]
+        cached = 0
+        for key in keys:
+            if key not in self._prefixes:
+                break
+            cached += size
+        self.stats.prefix_prompt_chars += len(prompt)
+        self.stats.prefix_cached_chars += cached
+        if cached:
+            self.stats.prefix_hits += 1
+        else:
+            self.stats.prefix_misses += 1
+        # Tail first, as vLLM frees a sequence's blocks: the head is evicted last.
+        for key in reversed(keys):
+            self._prefixes[key] = None
+            self._prefixes.move_to_end(key)
+        while len(self._prefixes) > b.prefix_cache:
+            self._prefixes.popitem(last=False)
+        return cached
+
+    def cached_chars(self, body: dict[str, Any]) -> int:
+        """How many leading characters of `body`'s prompt the block cache holds now (an
+        oracle's view of this instance; nothing changes)."""
+        size = self.behavior.prefix_block_chars
+        if not size:
+            return 0
+        prompt = render_prefix(body, 1 << 30)
+        cached = 0
+        for k in range(0, len(prompt) - size + 1, size):
+            if prompt[: k + size] not in self._prefixes:
+                break
+            cached += size
+        return cached
 
     def metrics_text(self) -> bytes:
         """vLLM-style Prometheus text: the gauges the gateway reads (SPEC §15) and counters."""

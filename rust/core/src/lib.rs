@@ -14,6 +14,7 @@ pub mod error;
 pub mod health;
 pub mod matcher;
 pub mod pool;
+pub mod prefix;
 pub mod queue;
 pub mod rng;
 pub mod selector;

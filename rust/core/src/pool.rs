@@ -18,6 +18,7 @@ use crate::affinity::{self, HashRing};
 use crate::balancer::{Balancer, Load};
 use crate::error::CoreError;
 use crate::health::{Breaker, HealthConfig};
+use crate::prefix::{self, PrefixIndex};
 use crate::queue::{ClassQueue, Entry};
 use crate::selector::{Choice, Selector, SelectorConfig};
 use crate::shared::Shared;
@@ -42,6 +43,9 @@ pub struct PoolConfig {
     /// SPEC §15 `affinity.epsilon` in thousandths: an affine request goes to an instance only
     /// while its load is at most `(1 + ε)` times the pool's average.
     pub affinity_epsilon_permille: u32,
+    /// SPEC §15: the prompt blocks the index remembers per instance, "bounded by that
+    /// instance's cache size" (`C`; it holds between `C/2` and `C`).
+    pub prefix_capacity_blocks: u32,
     pub health: HealthConfig,
 }
 
@@ -56,6 +60,8 @@ impl Default for PoolConfig {
             overflow_high_to_low: true,
             balancer: BalancerKind::LeastConnections,
             affinity_epsilon_permille: 250,
+            // 0.8 × 131,072 tokens × 4 bytes per token ÷ 64-byte blocks
+            prefix_capacity_blocks: 6553,
             health: HealthConfig::default(),
         }
     }
@@ -108,6 +114,8 @@ pub struct Event {
     pub kind: EventKind,
     /// For a grant in an `affinity` pool: whether it went to its key's first choice.
     pub affinity: Affinity,
+    /// For a grant placed by prompt blocks: how many leading blocks its instance holds.
+    pub matched_blocks: u32,
 }
 
 /// Where `submit` put a request.
@@ -277,6 +285,12 @@ pub struct Pool {
     ring: Option<HashRing>,
     /// Where the latest grant landed relative to its affinity key.
     last_affinity: Affinity,
+    /// The leading prompt blocks the latest grant's instance held (SPEC §15).
+    last_matched: u32,
+    /// SPEC §15: which prompt blocks each instance was sent (empty unless placed by blocks).
+    prefixes: PrefixIndex,
+    /// The blocks of waiting requests placed by them, recorded when they are granted.
+    pending_blocks: HashMap<Ticket, Box<[u64]>, BuildHasherDefault<TicketHasher>>,
     tickets: TicketMap,
     events: Vec<Event>,
     /// Instance state changes since the caller last asked, for lifecycle logs.
@@ -306,6 +320,9 @@ impl Pool {
             backend_loaded: false,
             ring: None,
             last_affinity: Affinity::None,
+            last_matched: 0,
+            prefixes: PrefixIndex::new(cfg.prefix_capacity_blocks as usize),
+            pending_blocks: HashMap::default(),
             tickets: TicketMap::default(),
             events: Vec::new(),
             transitions: Vec::new(),
@@ -333,6 +350,10 @@ impl Pool {
             }
         }
         self.balancer.kind = cfg.balancer;
+        if cfg.prefix_capacity_blocks != self.cfg.prefix_capacity_blocks {
+            self.prefixes
+                .set_capacity(cfg.prefix_capacity_blocks as usize);
+        }
         self.cfg = cfg;
         self.invalidate();
         Ok(())
@@ -385,6 +406,8 @@ impl Pool {
         if let Some(shared) = self.shared.as_mut() {
             shared.bind(idx, extra.ring_id).ok_or_else(slots_used_up)?;
         }
+        // A reused slot is another instance: what the old one held is not there.
+        self.prefixes.forget(idx);
         if idx < self.instances.len() {
             self.instances[idx] = fresh;
             self.extras[idx] = extra;
@@ -449,6 +472,7 @@ impl Pool {
     /// It leaves the affinity ring: its keys move to their next instance, no other key moves.
     pub fn remove_instance(&mut self, idx: usize) -> Result<(), CoreError> {
         self.instance_mut(idx)?.removed = true;
+        self.prefixes.forget(idx);
         self.invalidate();
         self.ring = None;
         Ok(())
@@ -477,12 +501,34 @@ impl Pool {
         affinity_key: u64,
         now: Millis,
     ) -> Result<Admit, CoreError> {
+        self.submit_prefixed(ticket, priority, (tenant, excluded, affinity_key), &[], now)
+    }
+
+    /// `submit` with the request's prompt blocks (`prefix::chain_hashes`; SPEC §15): in an
+    /// `affinity` pool a request without a session key (`affinity_key` 0) goes where the
+    /// longest run of its blocks is held (`prefix::place`), and the blocks are recorded for
+    /// the instance it is granted (with a key too: a session's instance holds its prompt).
+    /// `extra` is (tenant, excluded, affinity key).
+    pub fn submit_prefixed(
+        &mut self,
+        ticket: Ticket,
+        priority: Priority,
+        extra: (Tenant, u64, u64),
+        blocks: &[u64],
+        now: Millis,
+    ) -> Result<Admit, CoreError> {
         if self.tickets.contains_key(&ticket) {
             return Err(CoreError::DuplicateTicket(ticket));
         }
+        // Blocks matter to an affinity pool only: elsewhere the hot path is unchanged.
+        let blocks = if self.balancer.kind == BalancerKind::Affinity {
+            blocks
+        } else {
+            &[]
+        };
         // SPEC §12: a worker first reads the others' state, and after, shows its own.
         self.sync(now);
-        let admit = self.admit(ticket, priority, (tenant, excluded, affinity_key), now);
+        let admit = self.admit(ticket, priority, extra, blocks, now);
         self.publish(now, false);
         admit
     }
@@ -493,6 +539,7 @@ impl Pool {
         ticket: Ticket,
         priority: Priority,
         extra: (Tenant, u64, u64),
+        blocks: &[u64],
         now: Millis,
     ) -> Result<Admit, CoreError> {
         let (tenant, excluded, affinity_key) = extra;
@@ -506,10 +553,15 @@ impl Pool {
         }
         // SPEC §12: "nothing of that pool is waiting" in any worker.
         if self.waiting() == 0 && self.peers_waiting() == (0, 0) {
-            if let Some((inst, placed)) = self.pick_instance(excluded, affinity_key, now) {
+            if let Some((inst, placed, matched)) =
+                self.pick_instance(excluded, affinity_key, blocks, now)
+            {
                 let choice = Choice::Alone(priority);
                 self.commit_choice(choice, priority, false, now);
                 self.grant(ticket, (priority, tenant), inst, placed, now);
+                self.last_matched = matched;
+                // SPEC §15: "remembers, per instance ..., which blocks it sent there".
+                self.prefixes.record(inst, blocks);
                 return Ok(Admit::Granted(inst));
             }
         }
@@ -531,6 +583,9 @@ impl Pool {
             .push(Entry::new(ticket, tenant, now, excluded).with_affinity_key(affinity_key));
         self.tickets
             .insert(ticket, TicketState::Waiting(class, tenant));
+        if !blocks.is_empty() {
+            self.pending_blocks.insert(ticket, blocks.into());
+        }
         if let Some(shared) = self.shared.as_mut() {
             shared.tenant_waits(tenant);
             // SPEC §12, no lost wake-up: publish that we wait, *then* look at the units again.
@@ -547,6 +602,7 @@ impl Pool {
             let event = self.events.remove(pos);
             if let EventKind::Granted(inst) = event.kind {
                 self.last_affinity = event.affinity;
+                self.last_matched = event.matched_blocks;
                 return Ok(Admit::Granted(inst));
             }
         }
@@ -557,6 +613,17 @@ impl Pool {
     /// granted at once, that request's (queued grants carry theirs in their `Event`).
     pub fn last_affinity(&self) -> Affinity {
         self.last_affinity
+    }
+
+    /// How many leading prompt blocks the latest grant's instance held (as `last_affinity`).
+    pub fn last_matched_blocks(&self) -> u32 {
+        self.last_matched
+    }
+
+    /// SPEC §15: the prompt blocks the index holds for an instance, its bound `C`, and how
+    /// many generations it dropped (for `/admin/state`).
+    pub fn prefix_index(&self, idx: usize) -> (usize, usize, u64) {
+        self.prefixes.stats(idx)
     }
 
     /// Grants made by `submit` to *other* waiting tickets; deliver them.
@@ -571,6 +638,7 @@ impl Pool {
             Some(TicketState::Waiting(class, tenant)) => {
                 let (class, tenant) = (*class, *tenant);
                 self.tickets.remove(&ticket);
+                self.pending_blocks.remove(&ticket);
                 self.queues[class.index()].forget(tenant);
                 self.stats.cancelled += 1;
                 if self.shared.is_some() {
@@ -718,11 +786,13 @@ impl Pool {
                 .expire(now, max_wait, &|t| is_waiting(tickets, t, class));
             for t in expired {
                 self.tickets.remove(&t);
+                self.pending_blocks.remove(&t);
                 self.stats.expired += 1;
                 self.events.push(Event {
                     ticket: t,
                     kind: EventKind::Expired,
                     affinity: Affinity::None,
+                    matched_blocks: 0,
                 });
             }
         }
@@ -761,7 +831,7 @@ impl Pool {
                 // is another worker's.
                 break;
             }
-            let Some((entry, (inst, placed), class)) = self
+            let Some((entry, (inst, placed, matched), class)) = self
                 .pop_fitting(first, now)
                 .or_else(|| self.pop_fitting(other(first), now))
             else {
@@ -773,10 +843,14 @@ impl Pool {
             }
             self.tickets.remove(&entry.ticket);
             self.grant(entry.ticket, (class, entry.tenant), inst, placed, now);
+            if let Some(blocks) = self.pending_blocks.remove(&entry.ticket) {
+                self.prefixes.record(inst, &blocks);
+            }
             self.events.push(Event {
                 ticket: entry.ticket,
                 kind: EventKind::Granted(inst),
                 affinity: placed,
+                matched_blocks: matched,
             });
         }
     }
@@ -785,7 +859,7 @@ impl Pool {
         &mut self,
         class: Priority,
         now: Millis,
-    ) -> Option<(Entry, (usize, Affinity), Priority)> {
+    ) -> Option<(Entry, (usize, Affinity, u32), Priority)> {
         if self.queues[class.index()].live() == 0 {
             return None;
         }
@@ -799,6 +873,8 @@ impl Pool {
             ring,
             cfg,
             shared,
+            prefixes,
+            pending_blocks,
             ..
         } = self;
         let live = |t| is_waiting(tickets, t, class);
@@ -810,6 +886,11 @@ impl Pool {
         let shared = shared.as_ref();
         queues[class.index()]
             .pop_fitting(&live, |e| {
+                let blocks = if pending_blocks.is_empty() {
+                    &[][..]
+                } else {
+                    pending_blocks.get(&e.ticket).map_or(&[][..], |b| &b[..])
+                };
                 pick_taking(
                     balancer,
                     ring,
@@ -817,7 +898,7 @@ impl Pool {
                     cfg,
                     shared,
                     e.excluded,
-                    e.affinity_key,
+                    (e.affinity_key, blocks, prefixes),
                     now,
                 )
             })
@@ -851,6 +932,7 @@ impl Pool {
             let wait = *retry_after_ms.get_or_insert_with(|| self.retry_after_unavailable(0, now));
             for t in gone {
                 self.tickets.remove(&t);
+                self.pending_blocks.remove(&t);
                 self.stats.unservable += 1;
                 self.events.push(Event {
                     ticket: t,
@@ -858,6 +940,7 @@ impl Pool {
                         retry_after_ms: wait,
                     },
                     affinity: Affinity::None,
+                    matched_blocks: 0,
                 });
             }
         }
@@ -905,8 +988,9 @@ impl Pool {
         &mut self,
         excluded: u64,
         affinity_key: u64,
+        blocks: &[u64],
         now: Millis,
-    ) -> Option<(usize, Affinity)> {
+    ) -> Option<(usize, Affinity, u32)> {
         let view = Instances {
             instances: &self.instances,
             extras: &self.extras,
@@ -919,7 +1003,7 @@ impl Pool {
             &self.cfg,
             self.shared.as_ref(),
             excluded,
-            affinity_key,
+            (affinity_key, blocks, &self.prefixes),
             now,
         )
     }
@@ -1277,25 +1361,17 @@ fn pick_taking(
     cfg: &PoolConfig,
     shared: Option<&Shared>,
     excluded: u64,
-    affinity_key: u64,
+    affine: Affine<'_>,
     now: Millis,
-) -> Option<(usize, Affinity)> {
+) -> Option<(usize, Affinity, u32)> {
     let Some(shared) = shared else {
-        return pick(balancer, ring, view, cfg, excluded, affinity_key, now);
+        return pick(balancer, ring, view, cfg, excluded, affine, now);
     };
     let mut full = 0u64;
     loop {
-        let (k, placed) = pick(
-            balancer,
-            ring,
-            view,
-            cfg,
-            excluded | full,
-            affinity_key,
-            now,
-        )?;
+        let (k, placed, matched) = pick(balancer, ring, view, cfg, excluded | full, affine, now)?;
         if shared.take(k, &view.instances[k], cfg.health.half_open_max_requests) {
-            return Some((k, placed));
+            return Some((k, placed, matched));
         }
         full |= 1 << k;
     }
@@ -1309,17 +1385,17 @@ fn pick(
     view: &Instances<'_>,
     cfg: &PoolConfig,
     excluded: u64,
-    affinity_key: u64,
+    (affinity_key, blocks, prefixes): Affine<'_>,
     now: Millis,
-) -> Option<(usize, Affinity)> {
+) -> Option<(usize, Affinity, u32)> {
     let (instances, extras) = (view.instances, view.extras);
     let health = &cfg.health;
     let candidate = |k: usize| {
         let i = &instances[k];
         excluded & (1 << k) == 0 && !i.removed && i.has_room() && i.breaker.admits(health, now)
     };
-    if affinity_key != 0 && balancer.kind == BalancerKind::Affinity {
-        return place_affine(ring, view, cfg, affinity_key, candidate);
+    if (affinity_key != 0 || !blocks.is_empty()) && balancer.kind == BalancerKind::Affinity {
+        return place_affine(ring, view, cfg, (affinity_key, blocks, prefixes), candidate);
     }
     let n = instances.len();
     let chosen = if view.backend_loaded {
@@ -1328,7 +1404,7 @@ fn pick(
         // The common case: no backend reports load; the scan reads `instances` alone.
         balancer.pick(n, candidate, |k| instances[k].load())
     };
-    chosen.map(|i| (i, Affinity::None))
+    chosen.map(|i| (i, Affinity::None, 0))
 }
 
 /// SPEC §15: the key's instance on the hash ring while its load is at most `(1 + ε)` times
@@ -1338,9 +1414,9 @@ fn place_affine(
     ring: &mut Option<HashRing>,
     view: &Instances<'_>,
     cfg: &PoolConfig,
-    key: u64,
+    (key, blocks, prefixes): Affine<'_>,
     candidate: impl Fn(usize) -> bool,
-) -> Option<(usize, Affinity)> {
+) -> Option<(usize, Affinity, u32)> {
     let (instances, extras) = (view.instances, view.extras);
     let ring = ring.get_or_insert_with(|| {
         HashRing::new(
@@ -1361,10 +1437,25 @@ fn place_affine(
         return None;
     }
     let cap = affinity::capacity(total, up, cfg.affinity_epsilon_permille);
-    affinity::place(ring, key, cap, candidate, |k| {
-        instances[k].active(&extras[k])
-    })
+    let load = |k: usize| instances[k].active(&extras[k]);
+    if key != 0 {
+        // SPEC §15: "A session (`X-Session-Id` header, or the body's `user`) keeps one
+        // instance" — and a prompt shorter than one block goes by its whole hash.
+        let mut lens = [0u32; 64];
+        if !blocks.is_empty() {
+            prefixes.matches(blocks, ring.members(), &mut lens);
+        }
+        return affinity::place(ring, key, cap, candidate, load).map(|(i, a)| (i, a, lens[i]));
+    }
+    let mut lens = [0u32; 64];
+    let longest = prefixes.matches(blocks, ring.members(), &mut lens);
+    let branches = prefixes.branches(blocks, &lens, longest);
+    prefix::place(ring, blocks, &lens, longest, branches, cap, candidate, load)
 }
+
+/// What places a request in an `affinity` pool: its session key (0: none), its prompt
+/// blocks, and the index of the blocks each instance holds.
+type Affine<'a> = (u64, &'a [u64], &'a PrefixIndex);
 
 #[cfg(test)]
 mod tests {
@@ -1509,6 +1600,7 @@ mod tests {
                 ticket: 3,
                 kind: EventKind::Granted(home),
                 affinity: Affinity::Hit,
+                matched_blocks: 0,
             }]
         );
     }

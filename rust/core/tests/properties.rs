@@ -96,6 +96,7 @@ fn pool_config() -> impl Strategy<Value = PoolConfig> {
                     overflow_high_to_low: overflow,
                     balancer,
                     affinity_epsilon_permille: 250,
+                    prefix_capacity_blocks: 6553,
                     health,
                 }
             },
@@ -705,6 +706,57 @@ proptest! {
         }
         let stats = pool.stats();
         prop_assert_eq!(stats.affinity_hits + stats.affinity_spills, ticket);
+    }
+
+    /// SPEC §15 by prompt blocks: every grant is within `ceil((1 + ε) × average) + 1`, the
+    /// index remembers of an instance stays within its bound `C`.
+    #[test]
+    fn prefix_placement_keeps_the_bound_and_the_index_prefix_closed(
+        ids in prop::collection::btree_set(any::<u64>(), 1..=6),
+        epsilon in prop::sample::select(vec![0u32, 250, 1_000]),
+        capacity in 8u32..200,
+        ops in prop::collection::vec((0u8..6, 0u8..40, 1usize..24, any::<bool>()), 1..200),
+    ) {
+        let ids: Vec<u64> = ids.into_iter().collect();
+        let n = ids.len() as u64;
+        let cfg = PoolConfig {
+            balancer: BalancerKind::Affinity,
+            affinity_epsilon_permille: epsilon,
+            prefix_capacity_blocks: capacity,
+            high_capacity: 10_000,
+            ..PoolConfig::default()
+        };
+        let mut pool = Pool::new(cfg, 0).expect("valid config");
+        for &id in &ids {
+            pool.add_instance_with_id(10_000, Some(id)).unwrap();
+        }
+        let mut running: Vec<Ticket> = Vec::new();
+        let mut ticket = 0;
+        for (head, tail, len, release) in ops {
+            // a shared head (one of 6), then one of 40 continuations: prompts of `len` blocks
+            let text: Vec<u8> = (0..len * 16)
+                .map(|k| if k < 48 { b'a' + head } else { b'A' + tail % 26 + (k % 2) as u8 })
+                .collect();
+            let mut blocks = Vec::new();
+            gateway_core::prefix::chain_hashes(&text, 16, 512, 1, &mut blocks);
+            let total: u64 = pool.instances().iter().map(|i| u64::from(i.in_flight)).sum();
+            ticket += 1;
+            let admit = pool.submit_prefixed(ticket, Priority::High, (0, 0, 0), &blocks, 0).unwrap();
+            let Admit::Granted(i) = admit else { panic!("queued with room") };
+            running.push(ticket);
+            let after = u64::from(pool.instances()[i].in_flight);
+            let average = (total + 1) as f64 / n as f64;
+            let bound = ((1.0 + f64::from(epsilon) / 1000.0) * average).ceil() as u64 + 1;
+            prop_assert!(after <= bound, "{} in flight, bound {}", after, bound);
+            for k in 0..ids.len() {
+                let (held, cap, _) = pool.prefix_index(k);
+                prop_assert!(held <= cap, "{} held over {}", held, cap);
+            }
+            if release && !running.is_empty() {
+                let t = running.remove(0);
+                pool.release(t, Outcome::Success, 0, 0).unwrap();
+            }
+        }
     }
 
     /// Consistent hashing: removing an instance moves only the keys whose instance it was;

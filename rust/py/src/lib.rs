@@ -105,6 +105,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PoolConfig>()?;
     m.add_class::<Pool>()?;
     m.add_class::<InstanceInfo>()?;
+    m.add_class::<pool::Prefix>()?;
     m.add_class::<PoolStats>()?;
     m.add_class::<KeywordSet>()?;
     m.add_class::<Region>()?;

@@ -23,6 +23,8 @@ pub struct PoolConfig {
     balancer: Balancer,
     /// SPEC §15 `affinity.epsilon`, in whole thousandths.
     affinity_epsilon: f64,
+    /// SPEC §15: the prompt blocks remembered per instance (its cache size in blocks).
+    prefix_capacity_blocks: u32,
     failure_threshold: u32,
     ejection_ms: u64,
     max_ejection_ms: u64,
@@ -50,6 +52,7 @@ impl PoolConfig {
         overflow_high_to_low = None,
         balancer = None,
         affinity_epsilon = None,
+        prefix_capacity_blocks = None,
         failure_threshold = None,
         ejection_ms = None,
         max_ejection_ms = None,
@@ -71,6 +74,7 @@ impl PoolConfig {
         overflow_high_to_low: Option<bool>,
         balancer: Option<Balancer>,
         affinity_epsilon: Option<f64>,
+        prefix_capacity_blocks: Option<u32>,
         failure_threshold: Option<u32>,
         ejection_ms: Option<u64>,
         max_ejection_ms: Option<u64>,
@@ -103,6 +107,7 @@ impl PoolConfig {
                     .into())
                 }
             },
+            prefix_capacity_blocks: prefix_capacity_blocks.unwrap_or(d.prefix_capacity_blocks),
             failure_threshold: failure_threshold.unwrap_or(d.health.failure_threshold),
             ejection_ms: ejection_ms.unwrap_or(d.health.ejection_ms),
             max_ejection_ms: max_ejection_ms.unwrap_or(d.health.max_ejection_ms),
@@ -133,6 +138,7 @@ impl PoolConfig {
             overflow_high_to_low: self.overflow_high_to_low,
             balancer: self.balancer.into(),
             affinity_epsilon_permille: (self.affinity_epsilon * 1000.0).round() as u32,
+            prefix_capacity_blocks: self.prefix_capacity_blocks,
             health: core::HealthConfig {
                 failure_threshold: self.failure_threshold,
                 ejection_ms: self.ejection_ms,
@@ -167,6 +173,9 @@ pub struct InstanceInfo {
     backend_waiting: u32,
     /// The backend's KV-cache usage in thousandths, as last set.
     cache_permille: u16,
+    /// SPEC §15: prompt blocks the affinity index holds for it, and its bound.
+    prefix_blocks: usize,
+    prefix_capacity: usize,
 }
 
 /// Cumulative counters of one pool.
@@ -194,6 +203,8 @@ pub struct Event {
     retry_after_ms: u64,
     /// Where a grant landed relative to its affinity key (`NONE` otherwise).
     affinity: Affinity,
+    /// Leading prompt blocks the granted instance held (SPEC §15; 0 otherwise).
+    matched_blocks: u32,
 }
 
 #[pymethods]
@@ -225,9 +236,47 @@ fn encode(events: Vec<core::Event>) -> Events {
                 instance,
                 retry_after_ms,
                 affinity: e.affinity.into(),
+                matched_blocks: e.matched_blocks,
             }
         })
         .collect()
+}
+
+/// SPEC §15: a prompt's chained block hashes, computed once per request.
+#[pyclass(frozen, module = "gateway._core")]
+pub struct Prefix {
+    blocks: Vec<u64>,
+}
+
+#[pymethods]
+impl Prefix {
+    /// The hashes of `text`'s full `block_bytes`-byte UTF-8 blocks (a positive multiple of
+    /// 16, at most 4096), at most `max_blocks`, chained from `seed`.
+    #[new]
+    fn new(text: &str, block_bytes: usize, max_blocks: usize, seed: u64) -> Result<Self, CoreErr> {
+        if block_bytes == 0
+            || !block_bytes.is_multiple_of(16)
+            || block_bytes > core::prefix::MAX_BLOCK_BYTES
+        {
+            return Err(core::CoreError::InvalidConfig(
+                "block_bytes must be a multiple of 16 within [16, 4096]".into(),
+            )
+            .into());
+        }
+        let max_blocks = max_blocks.min(core::prefix::MAX_BLOCKS);
+        let mut blocks = Vec::with_capacity((text.len() / block_bytes).min(max_blocks));
+        core::prefix::chain_hashes(text.as_bytes(), block_bytes, max_blocks, seed, &mut blocks);
+        Ok(Self { blocks })
+    }
+
+    fn __len__(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// The block hashes, in order.
+    fn hashes(&self) -> Vec<u64> {
+        self.blocks.clone()
+    }
 }
 
 /// One pool's scheduler. All times are monotonic milliseconds supplied by the caller.
@@ -291,7 +340,12 @@ impl Pool {
     /// waits (`waiting_class` tells in which class). Raises `QueueFull` or
     /// `NoHealthyInstance`. After a queued result, deliver `take_events()`. `affinity_key`
     /// (0: none) places the request in an `AFFINITY` pool; `last_affinity()` then tells how.
-    #[pyo3(signature = (ticket, priority, now_ms, tenant = 0, excluded = 0, affinity_key = 0))]
+    /// `prefix` (SPEC §15): the prompt's blocks; without a session key it places the request
+    /// by the longest run of them an instance holds, and `last_matched_blocks()` tells how many.
+    #[pyo3(signature = (
+        ticket, priority, now_ms, tenant = 0, excluded = 0, affinity_key = 0, prefix = None
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn submit(
         &mut self,
         ticket: u64,
@@ -300,23 +354,33 @@ impl Pool {
         tenant: u32,
         excluded: u64,
         affinity_key: u64,
+        prefix: Option<PyRef<'_, Prefix>>,
     ) -> Result<Option<usize>, CoreErr> {
         let p = core::Priority::from(priority);
-        Ok(
-            match self
+        let extra = (tenant, excluded, affinity_key);
+        let admit = match &prefix {
+            None => self
                 .inner
-                .submit(ticket, p, tenant, excluded, affinity_key, now_ms)?
-            {
-                core::Admit::Granted(i) => Some(i),
-                core::Admit::Queued(_) => None,
-            },
-        )
+                .submit(ticket, p, tenant, excluded, affinity_key, now_ms)?,
+            Some(b) => self
+                .inner
+                .submit_prefixed(ticket, p, extra, &b.blocks, now_ms)?,
+        };
+        Ok(match admit {
+            core::Admit::Granted(i) => Some(i),
+            core::Admit::Queued(_) => None,
+        })
     }
 
     /// Where the latest grant landed relative to its affinity key — after a `submit` that
     /// returned an instance, that request's decision.
     fn last_affinity(&self) -> Affinity {
         self.inner.last_affinity().into()
+    }
+
+    /// How many leading prompt blocks the latest immediate grant's instance held.
+    fn last_matched_blocks(&self) -> u32 {
+        self.inner.last_matched_blocks()
     }
 
     /// The class a waiting ticket waits in (a high request that found the high queue full
@@ -408,6 +472,7 @@ impl Pool {
         let state = self.inner.instance_state(index, now_ms)?;
         let i = &self.inner.instances()[index];
         let extra = self.inner.extra(index)?;
+        let (held, capacity, _) = self.inner.prefix_index(index);
         let b = &i.breaker;
         Ok(InstanceInfo {
             state: state.into(),
@@ -423,6 +488,8 @@ impl Pool {
             removed: i.removed,
             backend_waiting: extra.backend_waiting,
             cache_permille: extra.cache_permille,
+            prefix_blocks: held,
+            prefix_capacity: capacity,
         })
     }
 
