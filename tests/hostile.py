@@ -663,6 +663,27 @@ def _idle_garbage(garbage: str = "408", delay: float = 0.02) -> Behaviour:
     return run
 
 
+@mode("duplicate")
+def _duplicate(delay: float = 0.002, echo: bool = False) -> Behaviour:
+    """A backend that sends its answer twice: a correct answer, then the very same bytes
+    again `delay` s later on the same connection (which stays open and keeps serving). With
+    `echo`, each answer carries the request's `X-Request-Id` (vLLM with request-id headers)."""
+
+    async def run(req: Request, conn: Conn) -> str:
+        body, ctype = answer_body(req)
+        rid = req.headers.get("x-request-id")
+        extra = [(b"X-Request-Id", rid)] if echo and rid is not None else []
+        framing = "chunked" if req.stream else "cl"
+        sizes = [len(e) for e in sse_events(req.tag)] if req.stream else ()
+        data = framed(200, body, ctype, framing, extra, sizes=sizes)
+        await conn.send(data)
+        if not req.is_probe:
+            conn.later(delay, data, "duplicate_sent")
+        return KEEP
+
+    return run
+
+
 @mode("loose_chunk")
 def _loose_chunk(token: bytes = b"0x2") -> Behaviour:
     """Chunked framing whose first chunk size is a token a lax parser reads as a number

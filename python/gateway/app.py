@@ -22,7 +22,7 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from gateway import telemetry
+from gateway import logs, telemetry
 from gateway.admin import Admin
 from gateway.affinity import affinity_placement
 from gateway.auth import KeyRing, Tenant
@@ -167,6 +167,7 @@ class Gateway:
         self._idle: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._boot = os.urandom(4).hex()
+        self._id_prefix = f"gw-{self._boot}-"  # the ids the gateway makes
         self.admin = Admin(self)
         self._routes: dict[tuple[str, str], Handler] = {
             **self.admin.routes(),
@@ -324,7 +325,7 @@ class Gateway:
         given = request.headers.get("X-Request-Id")
         if given and len(given) <= 128 and _SAFE_ID.issuperset(given):
             return given
-        return f"gw-{self._boot}-{ticket}"
+        return f"{self._id_prefix}{ticket}"
 
     async def proxy(self, request: web.BaseRequest, endpoint: Endpoint) -> web.StreamResponse:
         """One proxied request, answered whatever happens (an error of ours included), then
@@ -482,10 +483,7 @@ class Gateway:
         gateway already holds `limits.max_buffered_bytes`."""
         limit = self.runtime.config.limits.max_buffered_bytes
         if self.buffered_bytes + size > limit:
-            raise Overloaded(
-                "The gateway holds as many request bytes as it may; retry later.",
-                retry_after_ms=DEFAULT_RETRY_AFTER_MS,
-            )
+            raise _overloaded()
         self.buffered_bytes += size
         return size
 
@@ -510,21 +508,34 @@ class Gateway:
             return body
         chunks: list[bytes] = []
         size = 0
+        # SPEC §16: "Request bytes count toward `limits.max_buffered_bytes` **while they are
+        # read**, not only once a body is complete, so a thousand slow uploads cannot hold
+        # memory the bound does not see." What is read is held here until the body is whole.
+        bound = cfg.limits.max_buffered_bytes
         # SPEC §7: "a deadline on reading request headers and body (slowloris)".
         watchdog.arm_in(cfg.limits.body_timeout_ms / 1000)
         try:
             while chunk := await content.readany():
-                size += len(chunk)
+                n = len(chunk)
+                size += n
                 if size > limit:
                     raise too_large
+                if self.buffered_bytes + n > bound:
+                    raise _overloaded()
+                self.buffered_bytes += n
                 chunks.append(chunk)
+            # Joining copies the body once: that copy needs room under the bound too (the
+            # pieces go as soon as it is made).
+            if self.buffered_bytes + size > bound:
+                raise _overloaded()
+            return b"".join(chunks)
         except asyncio.CancelledError:
             if watchdog.absorb():
                 raise RequestTimeout("The request body arrived too slowly.") from None
             raise
         finally:
             watchdog.disarm()
-        return b"".join(chunks)
+            self.buffered_bytes -= sum(map(len, chunks))
 
     async def _dispatch(
         self,
@@ -680,36 +691,57 @@ class Gateway:
 
     def _log(self, ex: Exchange) -> None:
         """The request's access-log line and `RequestFinished` event (built only when someone
-        reads either)."""
+        reads either). The line is built once from typed values that cannot hold a secret
+        (names from the config, codes, numbers) but for a request id the client chose: that
+        one is redacted (SPEC §7: no key in any log line)."""
+        fast = logs.access_log()
         logging_on = access_log.isEnabledFor(logging.INFO)
-        if not logging_on and not self.events:
+        events = self.events
+        if fast is None and not logging_on and not events:
             return
         d = ex.decision
-        usage = ex.usage or {}
-        event = RequestFinished(
-            id=ex.request_id,
-            pool=ex.pool,
-            instance=ex.instance,
-            priority=ex.priority_label,
-            complexity=d.complexity if d else None,
-            rule=d.complexity_rule if d else None,
-            queue_ms=round(ex.queue_ms, 1),
-            upstream_ms=round(ex.upstream_ms, 1),
-            status=ex.status,
-            attempts=ex.attempts,
-            error=ex.error,
-            total_ms=round((time.monotonic() - ex.started) * 1000, 1),
-            source=ex.source,
+        usage = ex.usage
+        rid = ex.request_id
+        prefix = self._id_prefix
+        if not (rid.startswith(prefix) and rid[len(prefix) :].isdigit()):
+            rid = REDACTOR.redact(rid)
+        # In `logs.ACCESS_FIELDS` order (`RequestFinished`'s fields).
+        values = (
+            rid,
+            ex.pool,
+            ex.instance,
+            ex.priority_label,
+            d.complexity if d else None,
+            d.complexity_rule if d else None,
+            round(ex.queue_ms, 1),
+            round(ex.upstream_ms, 1),
+            ex.status,
+            ex.attempts,
+            ex.error,
+            round((time.monotonic() - ex.started) * 1000, 1),
+            ex.source,
             # SPEC §9: operators bill and throttle by key — its name, never the key itself.
-            key=ex.key_name,
-            prompt_tokens=_count(usage.get("prompt_tokens")),
-            completion_tokens=_count(usage.get("completion_tokens")),
-            affinity=ex.affinity if ex.affinity_key or ex.affinity_prefix is not None else None,
-            affinity_match=ex.affinity_match,
+            ex.key_name,
+            _count(usage.get("prompt_tokens")) if usage else None,
+            _count(usage.get("completion_tokens")) if usage else None,
+            ex.affinity if ex.affinity_key or ex.affinity_prefix is not None else None,
+            ex.affinity_match,
         )
+        if fast is not None:
+            fast.write(values)
         if logging_on:
-            access_log.info("request", extra={"fields": event.fields()})
-        self.events.publish(event)
+            fields = dict(zip(logs.ACCESS_FIELDS, values, strict=True))
+            access_log.info("request", extra={"fields": fields})
+        if events:
+            events.publish(RequestFinished(*values))
+
+
+def _overloaded() -> Overloaded:
+    """SPEC §16: the answer when the gateway holds `limits.max_buffered_bytes` already."""
+    return Overloaded(
+        "The gateway holds as many request bytes as it may; retry later.",
+        retry_after_ms=DEFAULT_RETRY_AFTER_MS,
+    )
 
 
 def _draining(message: str) -> Draining:

@@ -1,13 +1,27 @@
 """Structured logs: one JSON object per line (`--log-format json`) or readable text.
 
-Records carry their data in `extra={"fields": {...}}`. Every handler redacts what it is given
-(`gateway.redact`): known secrets and credential-shaped text never reach the output.
+Records carry their data in `extra={"fields": {...}}`. Every record handler redacts what it is
+given (`gateway.redact`): known secrets and credential-shaped text never reach the output.
+
+The access log (one line per request) does not go through `logging` once `setup_logging` ran:
+its line is built once from typed fields (`AccessLog.line`: ids, names, numbers — the one
+free-text field, a request id the client chose, is redacted by the caller), serialised with
+orjson (or joined as text), and handed to a `Sink` with the other records. The sink buffers
+lines on the event loop and flushes them every `FLUSH_S` or `BATCH_LINES` lines to a writer
+thread, which alone writes to stderr: a slow terminal or a full pipe stalls that thread, never
+the loop. Bounded (SPEC §16): while the thread is `MAX_PENDING_BYTES` behind, further lines are
+dropped and counted (`gateway_log_lines_dropped_total`), never queued without limit.
 """
 
 from __future__ import annotations
 
+import asyncio
+import atexit
 import logging
+import os
+import queue
 import sys
+import threading
 import time
 from typing import Any
 
@@ -15,7 +29,37 @@ import orjson
 
 from gateway.redact import RedactingFilter
 
-__all__ = ["setup_logging"]
+__all__ = ["ACCESS_FIELDS", "AccessLog", "Sink", "access_log", "dropped_lines", "setup_logging"]
+
+#: Lines (bytes) handed to the writer thread and not written yet, beyond which lines drop.
+MAX_PENDING_BYTES = 8 << 20
+#: A buffered line waits at most this long on the loop before it goes to the writer thread.
+FLUSH_S = 0.005
+BATCH_LINES = 256
+#: A record other than an access line waits for the writer only while it is this close behind.
+SETTLE_MAX_BYTES = 64 << 10
+
+#: The access line's fields, in order (`RequestFinished` has the same names).
+ACCESS_FIELDS = (
+    "id",
+    "pool",
+    "instance",
+    "priority",
+    "complexity",
+    "rule",
+    "queue_ms",
+    "upstream_ms",
+    "status",
+    "attempts",
+    "error",
+    "total_ms",
+    "source",
+    "key",
+    "prompt_tokens",
+    "completion_tokens",
+    "affinity",
+    "affinity_match",
+)
 
 
 class JsonFormatter(logging.Formatter):
@@ -58,14 +102,193 @@ def _exc_text(formatter: logging.Formatter, record: logging.LogRecord) -> str | 
     return None
 
 
+class Sink:
+    """Lines to a file descriptor through a writer thread, batched on the event loop and
+    bounded (see the module docstring). Thread-safe: `write` may be called from any thread;
+    off the loop (or with no loop running) a line goes to the thread at once."""
+
+    def __init__(self, fd: int, max_pending: int = MAX_PENDING_BYTES) -> None:
+        self._fd = fd
+        self._max_pending = max_pending
+        self._buf: list[bytes] = []
+        self._buf_bytes = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._lock = threading.Condition(threading.Lock())
+        self._pending = 0  # bytes queued for the thread, not written yet
+        self.dropped = 0  # lines dropped while the thread was too far behind
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def write(self, line: bytes) -> None:
+        """Buffers one line (ending in a newline)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not self._loop:
+            self.flush()  # lines buffered for a loop no longer running
+            self._loop = loop
+        if loop is None:
+            self._hand_over([line], len(line))
+            return
+        buf = self._buf
+        buf.append(line)
+        self._buf_bytes += len(line)
+        if len(buf) >= BATCH_LINES:
+            self.flush()
+        elif self._timer is None:
+            self._timer = loop.call_later(FLUSH_S, self.flush)
+
+    def flush(self) -> None:
+        """Hands the buffered lines to the writer thread."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        buf = self._buf
+        if buf:
+            self._buf = []
+            size, self._buf_bytes = self._buf_bytes, 0
+            self._hand_over(buf, size)
+
+    def _hand_over(self, lines: list[bytes], size: int) -> None:
+        with self._lock:
+            if self._pending + size > self._max_pending:
+                # SPEC §16: bounded — the sink cannot keep up; the lines are counted, not kept.
+                self.dropped += len(lines)
+                return
+            self._pending += size
+        if self._thread is None or self._pid != os.getpid():
+            self._start()
+        self._queue.put(lines[0] if len(lines) == 1 else b"".join(lines))
+
+    def _start(self) -> None:
+        self._pid = os.getpid()
+        self._thread = threading.Thread(target=self._run, name="gateway-log", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        get, fd = self._queue.get, self._fd
+        while True:
+            data = get()
+            if data is None:
+                return
+            view = memoryview(data)
+            try:
+                while view:
+                    view = view[os.write(fd, view) :]
+            except OSError:
+                pass  # stderr closed: nothing else to tell it
+            with self._lock:
+                self._pending -= len(data)
+                if not self._pending:
+                    self._lock.notify_all()
+
+    def settle(self, timeout: float = 0.1) -> None:
+        """Hands over what is buffered and waits (at most `timeout`) until it is written, so
+        whatever the process writes to stderr directly next comes after it. Not at all while
+        the writer is stuck (more than `SETTLE_MAX_BYTES` behind): the loop never waits on a
+        stuck pipe for more than one such timeout."""
+        self.flush()
+        with self._lock:
+            if self._pending <= SETTLE_MAX_BYTES:
+                self._lock.wait_for(lambda: not self._pending, timeout)
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Writes what is buffered and stops the thread (at exit)."""
+        self.flush()
+        thread = self._thread
+        if thread is not None and thread.is_alive() and self._pid == os.getpid():
+            self._queue.put(None)
+            thread.join(timeout)
+        self._thread = None
+
+
+class _SinkHandler(logging.Handler):
+    """A `logging` handler writing formatted records through the sink (the same order as the
+    access lines, and the same writer thread)."""
+
+    def __init__(self, sink: Sink) -> None:
+        super().__init__()
+        self._sink = sink
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = self.format(record)
+            sink = self._sink
+            sink.write(text.encode("utf-8", "replace") + b"\n")
+            # Events are rare and read beside what the process prints itself (a last line
+            # before exiting): written now, in order, unless stderr is stuck.
+            sink.settle()
+        except Exception:
+            self.handleError(record)
+
+
+class AccessLog:
+    """The access-log line of one request, built from its typed fields."""
+
+    def __init__(self, sink: Sink, fmt: str) -> None:
+        self.sink = sink
+        self.json = fmt == "json"
+        self._second = -1
+        self._stamp = ""
+
+    def line(self, values: tuple[Any, ...]) -> bytes:
+        """`values` in `ACCESS_FIELDS` order; None values are left out of a text line."""
+        now = time.time()
+        if self.json:
+            out: dict[str, Any] = {
+                "ts": round(now, 3),
+                "level": "info",
+                "logger": "gateway.access",
+                "msg": "request",
+            }
+            out.update(zip(ACCESS_FIELDS, values, strict=True))
+            return orjson.dumps(out, option=orjson.OPT_APPEND_NEWLINE)
+        second = int(now)
+        if second != self._second:
+            self._second = second
+            self._stamp = time.strftime("%H:%M:%S", time.localtime(now))
+        tail = " ".join(
+            f"{k}={v}" for k, v in zip(ACCESS_FIELDS, values, strict=True) if v is not None
+        )
+        return f"{self._stamp} info  gateway.access: request {tail}\n".encode()
+
+    def write(self, values: tuple[Any, ...]) -> None:
+        self.sink.write(self.line(values))
+
+
+_SINK: Sink | None = None
+_ACCESS: AccessLog | None = None
+
+
+def access_log() -> AccessLog | None:
+    """The process's access log, when `setup_logging` turned it on."""
+    return _ACCESS
+
+
+def dropped_lines() -> int:
+    """Log lines dropped so far because the writer could not keep up."""
+    return _SINK.dropped if _SINK is not None else 0
+
+
 def setup_logging(fmt: str = "text", level: str = "info", access: bool = True) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    global _SINK, _ACCESS
+    if _SINK is None:
+        _SINK = Sink(sys.stderr.fileno())
+        atexit.register(_SINK.close)
+    sys.stderr.flush()
+    handler = _SinkHandler(_SINK)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     # SPEC §7: no key in any log line, whoever logs it (aiohttp's tracebacks included).
     handler.addFilter(RedactingFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    logging.getLogger("gateway.access").setLevel(logging.INFO if access else logging.WARNING)
+    # The access lines bypass `logging` (`access_log()`); a handler an embedder adds to
+    # `gateway.access` after raising its level still gets records the slow way.
+    _ACCESS = AccessLog(_SINK, fmt) if access else None
+    logging.getLogger("gateway.access").setLevel(logging.WARNING)
     # aiohttp's own access log duplicates ours.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

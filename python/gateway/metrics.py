@@ -49,6 +49,7 @@ from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 
 from gateway import __version__
+from gateway.logs import dropped_lines
 
 if TYPE_CHECKING:
     from gateway.runtime import Runtime
@@ -165,6 +166,18 @@ class _CoreCollector(Collector):
                 for s in _STATES:
                     state.add_metric([*labels, s], 1.0 if s == inst.state else 0.0)
         yield from (depth, in_flight, capacity, state, ejections, grants, forced)
+
+
+class _LogDropsCollector(Collector):
+    """`gateway_log_lines_dropped_total`: log lines (access lines included) dropped because
+    stderr could not take them as fast as they came (SPEC §16: the log's buffer is bounded)."""
+
+    def collect(self) -> Iterator[Any]:
+        yield CounterMetricFamily(
+            "gateway_log_lines_dropped",
+            "Log lines dropped because the log output could not keep up",
+            value=dropped_lines(),
+        )
 
 
 class _RestartsCollector(Collector):
@@ -322,6 +335,9 @@ class Metrics:
             self.batch_lines.labels(result)
         for result in ("success", "failure"):  # a failed reload alerts from the first one on
             self.reloads.labels(result)
+        # This process's access/log lines the writer could not keep up with (summed over the
+        # workers through the snapshots).
+        r.register(_LogDropsCollector())
         # Read at scrape time from the shared region: already the whole gateway's.
         self.registry.register(_CoreCollector(runtime))
         if SHARE_DIR is not None:
