@@ -711,7 +711,7 @@ proptest! {
     /// SPEC §15 by prompt blocks: every grant is within `ceil((1 + ε) × average) + 1`, the
     /// index remembers of an instance stays within its bound `C`.
     #[test]
-    fn prefix_placement_keeps_the_bound_and_the_index_prefix_closed(
+    fn prefix_placement_keeps_the_load_and_index_bounds(
         ids in prop::collection::btree_set(any::<u64>(), 1..=6),
         epsilon in prop::sample::select(vec![0u32, 250, 1_000]),
         capacity in 8u32..200,
