@@ -65,8 +65,14 @@ test: lint test-rust typecheck test-python ## everything: lint, cargo test, mypy
 bench: build-dev ## pytest-benchmark of the core, saved as a baseline (see benches/README.md)
 	$(VENV)/bin/pytest benches --benchmark-only --benchmark-autosave -q
 
-bench-compare: build-dev ## rerun the benchmarks and fail on a mean regression over 10 %
-	$(VENV)/bin/pytest benches --benchmark-only -q --benchmark-compare --benchmark-compare-fail=mean:10%
+# A regression run against a git ref built side by side (benches/compare.py): BASE in a worktree
+# under target/bench-base, base and working tree run alternately in one session (core
+# micro-benchmarks and the end-to-end CPU per request), failing beyond TOLERANCE.
+BASE ?= main
+TOLERANCE ?= 0.10
+ROUNDS ?= 3
+bench-compare: build-dev ## benchmarks of BASE (default main) and of the working tree side by side; fails on a regression over TOLERANCE (0.10)
+	$(VENV)/bin/python benches/compare.py --base $(BASE) --tolerance $(TOLERANCE) --rounds $(ROUNDS)
 
 # SPEC §18: wheels that pip installs on the machines users run. manylinux2014 is glibc 2.17, below
 # every supported Linux (RHEL/Rocky/Alma 8: 2.28, Amazon Linux 2: 2.26, Debian 11 and Ubuntu

@@ -38,6 +38,7 @@ __all__ = [
     "run_wrk",
     "serving",
     "stop",
+    "tree_cpu_seconds",
     "wait_port",
 ]
 
@@ -70,6 +71,24 @@ def cpu_seconds(pid: int) -> float:
     """The CPU time (user + system) process `pid` has used so far, from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """The CPU time of process `pid` and every descendant alive now (a supervisor and its
+    workers), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(p)
+        todo.extend(children.get(p, ()))
+    return total
 
 
 def pinned(core: str, cmd: Sequence[str]) -> list[str]:
@@ -165,10 +184,12 @@ def run_wrk(
     *,
     headers: dict[str, str] | None = None,
     pid: int | None = None,
+    pids: Sequence[int] = (),
     core: str | None = "1",
 ) -> WrkResult:
     """POSTs the JSON `body` to `url` for `duration` seconds over `conns` connections (wrk, one
-    thread, pinned to CPU `core`; `None`: not pinned), measuring `pid`'s CPU time meanwhile.
+    thread, pinned to CPU `core`; `None`: not pinned), measuring `pid`'s CPU time meanwhile
+    (with its descendants'), or the sum of `pids`' (each with its descendants).
     Raises `RuntimeError` when any answer was not 2xx."""
     lines = ['wrk.method = "POST"', f'wrk.body = "{_lua_string(body)}"']
     for name, value in {"Content-Type": "application/json", **(headers or {})}.items():
@@ -176,7 +197,12 @@ def run_wrk(
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
         script.write("\n".join(lines) + "\n")
     cmd = ["wrk", "-t1", f"-c{conns}", f"-d{max(1, round(duration))}s", "--latency"]
-    cpu0 = cpu_seconds(pid) if pid else 0.0
+    measured = [pid] if pid else list(pids)
+
+    def cpu() -> float:
+        return sum(tree_cpu_seconds(p) for p in measured)
+
+    cpu0 = cpu()
     try:
         out = subprocess.run(
             pinned(core, [*cmd, "-s", script.name, url])
@@ -188,12 +214,12 @@ def run_wrk(
         ).stdout
     finally:
         os.unlink(script.name)
-    cpu1 = cpu_seconds(pid) if pid else 0.0
+    cpu1 = cpu()
     if "Non-2xx" in out:
         raise RuntimeError(f"errors from {url}:\n{out}")
     total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
-    cpu_us = (cpu1 - cpu0) / total * 1e6 if pid else None
+    cpu_us = (cpu1 - cpu0) / total * 1e6 if measured else None
     p50, p99 = wrk_latency_ms(out, "50"), wrk_latency_ms(out, "99")
     return WrkResult(conns, rps, p50, p99, total, cpu_us)
 

@@ -1,11 +1,17 @@
 """End-to-end proxy overhead: direct vs the bare aiohttp proxy vs the gateway, side by side.
 
-One process tree: the mock backend, the bare proxy and the gateway are started here; the
+One process tree: the mock backend, the bare proxy and the gateways are started here; the
 proxies are pinned to core 0, the mock and the load generator (wrk) to core 1. For each target
 wrk runs a fixed duration; we report req/s, p50/p99 latency and the proxy process's CPU time per
-request read from /proc (user + system), and ratios to the bare proxy measured in the same run.
+request read from /proc (user + system, every thread), and ratios to the bare proxy measured in
+the same run.
 
-    .venv/bin/python benches/e2e.py --duration 10 --rounds 2 [--stream] [--ttfc]
+The headline row, `gateway`, is the gateway as operators run it: the default configuration,
+its access log on (one line per request, written to a file as a journal would take it).
+`gw-no-log` is the same with `--no-access-log`, `gw+otel` (with `--otel`) adds tracing at
+sample ratio 1.0 with the access log on; the difference between rows is what each costs.
+
+    .venv/bin/python benches/e2e.py --duration 10 --rounds 2 [--stream] [--ttfc] [--otel]
 
 Needs wrk (Debian: apt-get install wrk) and taskset (util-linux).
 """
@@ -49,8 +55,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--conns", default="64,8,1", help="connection counts, comma-separated")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="gateways with --workers N against N bare proxies on one port (SO_REUSEPORT); "
+        "nothing pinned then (N processes need the cores), CPU summed over each process tree",
+    )
     ap.add_argument("--stream", action="store_true", help="also measure streaming")
-    ap.add_argument("--access-log", action="store_true", help="gateway logs every request")
+    ap.add_argument(
+        "--no-log-row", action="store_true", help="skip the gw-no-log row (--no-access-log)"
+    )
     ap.add_argument(
         "--ttfc", action="store_true", help="also time to first stream chunk, one at a time"
     )
@@ -101,33 +117,48 @@ def main() -> int:
     )
     procs = Processes()
     spawn = procs.spawn
+    many = args.workers > 1
+    # one proxy process: proxies on core 0, the rest on core 1; several: nothing pinned
+    core, rest = ("0-1", "0-1") if many else ("0", "1")
+    wrk_core = None if many else "1"
+    workers = ["--workers", str(args.workers)] if many else []
     try:
-        spawn("1", PY, "-m", "gateway.cli", "mock", "--port", str(mock_port), *mock_tls)
+        spawn(rest, PY, "-m", "gateway.cli", "mock", "--port", str(mock_port), *mock_tls)
         wait_port(mock_port)
-        bare = spawn(
-            "0",
-            PY,
-            "benches/bare_proxy.py",
-            "--port",
-            str(bare_port),
-            "--upstream",
-            f"{scheme}://127.0.0.1:{mock_port}",
-            env=bare_env,
-        )
-        gw_cmd = [PY, "-m", "gateway.cli", "serve", "--config", str(cfg)]
-        if not args.access_log:
-            gw_cmd.append("--no-access-log")
-        gw = spawn("0", *gw_cmd)
+        bare_cmd = [PY, "benches/bare_proxy.py", "--port", str(bare_port)]
+        bare_cmd += ["--upstream", f"{scheme}://127.0.0.1:{mock_port}"]
+        bares = [
+            spawn(core, *bare_cmd, *(["--reuse-port"] if many else []), env=bare_env)
+            for _ in range(args.workers)
+        ]
+        gw_cmd = [PY, "-m", "gateway.cli", "serve", "--config", str(cfg), *workers]
+        # the default configuration: the access log on, into a file (as a journal takes it)
+        log = (tmp / "gateway.log").open("wb")
+        gw = spawn(core, *gw_cmd, output=log)
         wait_port(bare_port)
         wait_port(gw_port)
-        targets = [
-            ("direct", f"{scheme}://127.0.0.1:{mock_port}/v1/chat/completions", None),
-            ("bare-proxy", f"http://127.0.0.1:{bare_port}/v1/chat/completions", bare.pid),
-            ("gateway", f"http://127.0.0.1:{gw_port}/v1/chat/completions", gw.pid),
+        targets: list[tuple[str, str, list[int]]] = [
+            ("direct", f"{scheme}://127.0.0.1:{mock_port}/v1/chat/completions", []),
+            (
+                "bare-proxy" if not many else f"bare-x{args.workers}",
+                f"http://127.0.0.1:{bare_port}/v1/chat/completions",
+                [b.pid for b in bares],
+            ),
+            ("gateway", f"http://127.0.0.1:{gw_port}/v1/chat/completions", [gw.pid]),
         ]
+        if not args.no_log_row:
+            quiet_port = free_port()
+            quiet_cfg = tmp / "gateway-quiet.yaml"
+            quiet_cfg.write_text(cfg.read_text().replace(str(gw_port), str(quiet_port)))
+            quiet_cmd = [PY, "-m", "gateway.cli", "serve", "--config", str(quiet_cfg)]
+            quiet = spawn(core, *quiet_cmd, *workers, "--no-access-log")
+            wait_port(quiet_port)
+            targets.append(
+                ("gw-no-log", f"http://127.0.0.1:{quiet_port}/v1/chat/completions", [quiet.pid])
+            )
         if args.otel:
             sink_port, otel_port = free_port(), free_port()
-            spawn("1", PY, "-c", _SINK, str(sink_port))
+            spawn(rest, PY, "-c", _SINK, str(sink_port))
             otel_cfg = tmp / "gateway-otel.yaml"
             otel_cfg.write_text(
                 cfg.read_text().replace(str(gw_port), str(otel_port))
@@ -135,16 +166,15 @@ def main() -> int:
                 "sample_ratio: 1.0}\n"
             )
             otel_cmd = [PY, "-m", "gateway.cli", "serve", "--config", str(otel_cfg)]
-            if not args.access_log:
-                otel_cmd.append("--no-access-log")
-            otel = spawn("0", *otel_cmd)
+            otel_log = (tmp / "gateway-otel.log").open("wb")
+            otel = spawn(core, *otel_cmd, *workers, output=otel_log)
             wait_port(otel_port)
             targets.append(
-                ("gateway+otel", f"http://127.0.0.1:{otel_port}/v1/chat/completions", otel.pid)
+                ("gw+otel", f"http://127.0.0.1:{otel_port}/v1/chat/completions", [otel.pid])
             )
         bodies = [("json", BODY)] + ([("sse", STREAM_BODY)] if args.stream else [])
-        for _, url, pid in targets:  # warm up connections and caches
-            run_wrk(url, 8, 1.0, BODY, pid=pid)
+        for _, url, _pids in targets:  # warm up connections and caches
+            run_wrk(url, 8, 1.0, BODY, core=wrk_core)
         for rnd in range(1, args.rounds + 1):
             if args.ttfc:
                 print(f"\nround {rnd}, time to first chunk, 1 connection, 300 sequential streams")
@@ -166,13 +196,13 @@ def main() -> int:
                         flush=True,
                     )
             for kind, body in bodies:
-                for conns in (64, 8, 1):
+                for conns in [int(c) for c in args.conns.split(",")]:
                     results = {}
-                    for name, url, pid in targets:
-                        r = run_wrk(url, conns, args.duration, body, pid=pid)
+                    for name, url, pids in targets:
+                        r = run_wrk(url, conns, args.duration, body, pids=pids, core=wrk_core)
                         r.name = name
                         results[name] = r
-                    base = results["bare-proxy"]
+                    base = results[targets[1][0]]
                     direct = results["direct"]
                     print(f"\nround {rnd}, {kind}, {conns} connections, {args.duration:.0f} s each")
                     print(

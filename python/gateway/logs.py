@@ -34,8 +34,8 @@ __all__ = ["ACCESS_FIELDS", "AccessLog", "Sink", "access_log", "dropped_lines", 
 #: Lines (bytes) handed to the writer thread and not written yet, beyond which lines drop.
 MAX_PENDING_BYTES = 8 << 20
 #: A buffered line waits at most this long on the loop before it goes to the writer thread.
-FLUSH_S = 0.005
-BATCH_LINES = 256
+FLUSH_S = 0.05
+BATCH_LINES = 1024
 #: A record other than an access line waits for the writer only while it is this close behind.
 SETTLE_MAX_BYTES = 64 << 10
 
