@@ -375,7 +375,10 @@ models: {judge: {pool: heavy}, judge-lite: {pool: light}}
     )
     text = describe(cfg)
     assert "route judge → judge-lite  (pool light)" in text
-    assert "affinity(prefix_chars=2048 epsilon=0.25)" in text
+    assert (
+        "affinity(block_bytes=64 max_blocks=512 cache_tokens=131072 hash_seed=0 epsilon=0.25)"
+        in text
+    )
     assert "balancer=affinity" in text
     for bad, where in [
         ("auth: {keys: [{key: k1, name: f, routes: {judge: nope}}]}", "auth.keys[0].routes.judge"),

@@ -23,7 +23,7 @@ from gateway.config import parse_config
 from gateway.config.schema import Affinity as AffinityConfig
 from gateway.errors import ConfigError
 from redis_fixture import REDIS_SERVER, RedisServer
-from support import GatewayFactory, MockFactory, pool_config, simple_config
+from support import GatewayFactory, MockFactory, chat, pool_config, simple_config
 from test_cluster import _cluster_config, _leased, until
 from test_workers import _instances, workers
 
@@ -362,3 +362,25 @@ async def test_cluster_replicas_agree_and_keep_problems_on_one_instance(
     assert len(set().union(*homes.values())) >= 2, homes
     for gw in replicas:
         await gw.assert_quiet()
+
+
+async def test_the_mock_caches_blocks_like_vllm(mocks: MockFactory) -> None:
+    """`prefix_block_chars`: an LRU of blocks keyed by the prompt up to their end; a request
+    reuses the longest cached run of its leading blocks (the benchmark's oracle reads it)."""
+    mock = await mocks(prefix_cache=6, prefix_block_chars=10)
+    first = chat("a" * 45, model="up-model")  # rendered "user\n" + 45 + "\n": 51 characters
+    same_head = chat("a" * 25 + "b" * 20, model="up-model")
+    assert mock.cached_chars(first) == 0
+    async with aiohttp.ClientSession() as s:
+        async with s.post(mock.url + "/chat/completions", json=first) as r:
+            assert r.status == 200
+        assert mock.cached_chars(first) == 50  # five full blocks
+        assert mock.cached_chars(same_head) == 30  # "user\n" + 25 a's: three blocks
+        async with s.post(mock.url + "/chat/completions", json=same_head) as r:
+            assert r.status == 200
+    st = mock.stats
+    assert (st.prefix_cached_chars, st.prefix_prompt_chars) == (30, 102)
+    assert (st.prefix_hits, st.prefix_misses) == (1, 1)
+    # six blocks at most: the second prompt's two new blocks evicted one of the first's, its
+    # last (a sequence's blocks are freed tail first, as vLLM frees them): four remain
+    assert mock.cached_chars(first) == 40

@@ -67,7 +67,10 @@ def _policy(c: Config) -> list[str]:
         f"overflow_high_to_low={_ON_OFF[s.overflow_high_to_low]}",
         f"balancer    {c.balancer}"
         + (
-            f"  affinity(prefix_chars={c.affinity.prefix_chars} epsilon={c.affinity.epsilon})"
+            # SPEC §15: what workers and replicas must share to agree on placement
+            f"  affinity(block_bytes={c.affinity.block_bytes} max_blocks={c.affinity.max_blocks}"
+            f" cache_tokens={c.affinity.cache_tokens} hash_seed={c.affinity.hash_seed}"
+            f" epsilon={c.affinity.epsilon})"
             if c.uses_affinity()
             else ""
         ),
