@@ -135,11 +135,11 @@ async def test_a_stderr_nobody_reads_never_stalls_requests(tmp_path: Path, fmt: 
 
 
 async def test_a_sink_that_cannot_keep_up_drops_and_counts() -> None:
-    """SPEC §16: bounded. A pipe nobody reads and 64 KiB allowed behind: lines beyond that are
+    """SPEC §16: bounded. A pipe nobody reads and 512 KiB allowed behind: lines beyond that are
     dropped and counted at once (the loop never waits); what was kept arrives whole."""
     r, w = os.pipe()
     try:
-        sink = Sink(w, max_pending=64 << 10)
+        sink = Sink(w, max_pending=512 << 10)
         access = AccessLog(sink, "json")
         values = (
             "id-1",

@@ -691,22 +691,34 @@ class Gateway:
 
     def _log(self, ex: Exchange) -> None:
         """The request's access-log line and `RequestFinished` event (built only when someone
-        reads either). The line is built once from typed values that cannot hold a secret
-        (names from the config, codes, numbers) but for a request id the client chose: that
-        one is redacted (SPEC §7: no key in any log line)."""
+        reads either). The access line is built with its batch when the log flushes
+        (`logs.AccessLog.record`), from the finished exchange."""
         fast = logs.access_log()
+        if fast is not None:
+            fast.record(self._access_values, ex)
         logging_on = access_log.isEnabledFor(logging.INFO)
         events = self.events
-        if fast is None and not logging_on and not events:
+        if not logging_on and not events:
             return
+        values = self._access_values(ex, time.monotonic())
+        if logging_on:
+            fields = dict(zip(logs.ACCESS_FIELDS, values, strict=True))
+            access_log.info("request", extra={"fields": fields})
+        if events:
+            events.publish(RequestFinished(*values))
+
+    def _access_values(self, ex: Exchange, now: float) -> tuple[Any, ...]:
+        """The access line's values, in `logs.ACCESS_FIELDS` order (`RequestFinished`'s
+        fields), for `ex` finished at monotonic time `now`. Typed values that cannot hold a
+        secret (names from the config, codes, numbers) but for a request id the client chose:
+        that one is redacted (SPEC §7: no key in any log line)."""
         d = ex.decision
         usage = ex.usage
         rid = ex.request_id
         prefix = self._id_prefix
         if not (rid.startswith(prefix) and rid[len(prefix) :].isdigit()):
             rid = REDACTOR.redact(rid)
-        # In `logs.ACCESS_FIELDS` order (`RequestFinished`'s fields).
-        values = (
+        return (
             rid,
             ex.pool,
             ex.instance,
@@ -718,7 +730,7 @@ class Gateway:
             ex.status,
             ex.attempts,
             ex.error,
-            round((time.monotonic() - ex.started) * 1000, 1),
+            round((now - ex.started) * 1000, 1),
             ex.source,
             # SPEC §9: operators bill and throttle by key — its name, never the key itself.
             ex.key_name,
@@ -727,13 +739,6 @@ class Gateway:
             ex.affinity if ex.affinity_key or ex.affinity_prefix is not None else None,
             ex.affinity_match,
         )
-        if fast is not None:
-            fast.write(values)
-        if logging_on:
-            fields = dict(zip(logs.ACCESS_FIELDS, values, strict=True))
-            access_log.info("request", extra={"fields": fields})
-        if events:
-            events.publish(RequestFinished(*values))
 
 
 def _overloaded() -> Overloaded:

@@ -23,6 +23,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -110,8 +111,8 @@ class Sink:
     def __init__(self, fd: int, max_pending: int = MAX_PENDING_BYTES) -> None:
         self._fd = fd
         self._max_pending = max_pending
-        self._buf: list[bytes] = []
-        self._buf_bytes = 0
+        # Lines, or (render, args) for lines built only when the buffer is flushed.
+        self._buf: list[Any] = []
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
@@ -123,19 +124,27 @@ class Sink:
 
     def write(self, line: bytes) -> None:
         """Buffers one line (ending in a newline)."""
+        self._add(line)
+
+    def defer(self, render: Callable[..., bytes], args: tuple[Any, ...]) -> None:
+        """Buffers the line `render(*args)` will make when the buffer is flushed: built with
+        the others of its batch in one go (warm caches: a few µs a line instead of the ~15
+        µs it costs built cold, between two requests)."""
+        self._add((render, args))
+
+    def _add(self, item: Any) -> None:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
+        if loop is None:  # another thread, or no loop running: straight to the writer
+            self._hand([item])
+            return
         if loop is not self._loop:
             self.flush()  # lines buffered for a loop no longer running
             self._loop = loop
-        if loop is None:
-            self._hand_over([line], len(line))
-            return
         buf = self._buf
-        buf.append(line)
-        self._buf_bytes += len(line)
+        buf.append(item)
         if len(buf) >= BATCH_LINES:
             self.flush()
         elif self._timer is None:
@@ -149,19 +158,30 @@ class Sink:
         buf = self._buf
         if buf:
             self._buf = []
-            size, self._buf_bytes = self._buf_bytes, 0
-            self._hand_over(buf, size)
+            self._hand(buf)
 
-    def _hand_over(self, lines: list[bytes], size: int) -> None:
+    def _hand(self, items: list[Any]) -> None:
+        """Builds the deferred lines among `items` and hands them all to the writer thread."""
+        lines: list[bytes] = []
+        for item in items:
+            if item.__class__ is bytes:
+                lines.append(item)
+            else:
+                render, args = item
+                try:
+                    lines.append(render(*args))
+                except Exception:  # a line that cannot be built is lost, and counted
+                    self.dropped += 1
+        data = lines[0] if len(lines) == 1 else b"".join(lines)
         with self._lock:
-            if self._pending + size > self._max_pending:
+            if self._pending + len(data) > self._max_pending:
                 # SPEC §16: bounded — the sink cannot keep up; the lines are counted, not kept.
                 self.dropped += len(lines)
                 return
-            self._pending += size
+            self._pending += len(data)
         if self._thread is None or self._pid != os.getpid():
             self._start()
-        self._queue.put(lines[0] if len(lines) == 1 else b"".join(lines))
+        self._queue.put(data)
 
     def _start(self) -> None:
         self._pid = os.getpid()
@@ -234,9 +254,11 @@ class AccessLog:
         self._second = -1
         self._stamp = ""
 
-    def line(self, values: tuple[Any, ...]) -> bytes:
-        """`values` in `ACCESS_FIELDS` order; None values are left out of a text line."""
-        now = time.time()
+    def line(self, values: tuple[Any, ...], now: float | None = None) -> bytes:
+        """`values` in `ACCESS_FIELDS` order (at wall-clock time `now`); None values are left
+        out of a text line."""
+        if now is None:
+            now = time.time()
         if self.json:
             out: dict[str, Any] = {
                 "ts": round(now, 3),
@@ -258,6 +280,33 @@ class AccessLog:
     def write(self, values: tuple[Any, ...]) -> None:
         self.sink.write(self.line(values))
 
+    def record(self, values_of: Callable[[Any, float], tuple[Any, ...]], item: Any) -> None:
+        """The line of `values_of(item, monotonic time now)`, built when the batch is flushed
+        (`item`, a finished request, must not change meanwhile). The request's hot path: one
+        tuple and one append on the loop (~1 µs)."""
+        sink = self.sink
+        loop = _running_loop()
+        if loop is None or loop is not sink._loop:
+            sink.defer(self._render, (values_of, item, _monotonic()))
+            return
+        buf = sink._buf
+        buf.append((self._render, (values_of, item, _monotonic())))
+        if len(buf) >= BATCH_LINES:
+            sink.flush()
+        elif sink._timer is None:
+            sink._timer = loop.call_later(FLUSH_S, sink.flush)
+
+    def _render(
+        self, values_of: Callable[[Any, float], tuple[Any, ...]], item: Any, mono: float
+    ) -> bytes:
+        # the wall-clock time of `mono`, from the clocks now (a batch is ms old at most)
+        wall = time.time() - (_monotonic() - mono)
+        return self.line(values_of(item, mono), wall)
+
+
+_monotonic = time.monotonic
+# asyncio's own C lookup (what get_running_loop uses, without raising off the loop)
+_running_loop: Callable[[], asyncio.AbstractEventLoop | None] = asyncio.events._get_running_loop
 
 _SINK: Sink | None = None
 _ACCESS: AccessLog | None = None
