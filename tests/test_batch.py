@@ -24,9 +24,8 @@ from openai.types import Batch
 
 from gateway.batch import api as batch_api
 from gateway.batch import runner as batch_runner
-from gateway.batch.records import Usage, answer_record, inspect
+from gateway.batch.records import answer_record, inspect
 from gateway.batch.runner import Verdict, retry_after_s, verdict
-from gateway.batch.store import BatchRow, Database, LineResult
 from gateway.config import parse_config
 from gateway.events import GatewayEvent, RequestFinished
 from gateway.server import Server
@@ -600,11 +599,14 @@ async def test_a_stopped_gateway_resumes_its_batch_on_the_same_store(
         10,
         "some lines done",
     )
-    # a second gateway on the same store is refused while the first holds it
+    # a second gateway on the same store is refused while the first holds it: 503 with the
+    # reason (SPEC §14: never a 500)
     second = Server(cfg, host="127.0.0.1", port=0)
     await second.start()
     async with aiohttp.ClientSession() as s, s.get(second.url + "/v1/batches") as resp:
-        assert resp.status == 500
+        assert resp.status == 503 and resp.headers["Retry-After"]
+        err = (await resp.json())["error"]
+        assert err["code"] == "store_unavailable" and "postgresql://" in err["message"]
     await second.shutdown(drain=False)
     await first.shutdown(drain=False)
     sent_before = len(chat_requests(m))
@@ -808,7 +810,8 @@ async def test_realtime_keeps_its_wait_while_a_2000_line_batch_runs(
         (503, b'{"error":{"code":"overloaded"}}', Verdict.LATER),
         (503, b'{"error":{"code":"draining"}}', Verdict.STOP),
         (503, b'{"error":{"code":"no_healthy_instance"}}', Verdict.RETRY),
-        (503, b'{"error":{"code":"queue_timeout"}}', Verdict.RETRY),
+        # SPEC §14: never failed with queue_timeout while the window is open: queued again
+        (503, b'{"error":{"code":"queue_timeout"}}', Verdict.LATER),
         (502, b"not json", Verdict.RETRY),
         (504, b"{}", Verdict.RETRY),
         (408, b"{}", Verdict.RETRY),
@@ -835,32 +838,3 @@ def test_records_are_json_whatever_the_body() -> None:
     assert not ok and doc["response"]["body"] == "<html>bad gateway</html>"
     assert doc["error"]["code"] == "http_502"
     assert inspect(b"{broken")[0] is False
-
-
-def test_the_store_fences_late_results_and_keeps_one_per_custom_id(tmp_path: Path) -> None:
-    db = Database(str(tmp_path / "b.db"), tmp_path / "files")
-    row = db.create_batch(BatchRow.new("batch_x", "o", CHAT, "file-x", 0, 10, None, "in_progress"))
-    seq = row.seq
-    db.insert_lines(seq, [(1, "a", b"{}"), (2, "b", b"{}"), (3, "c", b"{}")])
-
-    def result(no: int, cid: str, attempt: int, rec: bytes = b'{"x":1}') -> LineResult:
-        return LineResult(seq, no, cid, attempt, True, rec, Usage(1, 2, 3))
-
-    _, claimed = db.exchange([], [(seq, 2)])
-    assert [(c.line_no, c.attempt) for c in claimed[seq]] == [(1, 1), (2, 1)]
-    db.release()  # as after a restart: the leases of a dead process go back to pending
-    _, claimed = db.exchange([], [(seq, 3)])
-    assert [(c.line_no, c.attempt) for c in claimed[seq]] == [(1, 2), (2, 2), (3, 1)]
-    # a late answer of the first lease is fenced off; the current ones are applied
-    applied, _ = db.exchange([result(1, "a", 1), result(2, "b", 2)], [])
-    assert [(r.line_no, r.attempt) for r in applied] == [(2, 2)]
-    applied, _ = db.exchange([result(1, "a", 2), result(2, "b", 2), result(3, "c", 1)], [])
-    assert [r.line_no for r in applied] == [1, 3]  # line 2 is done already: no second result
-    b = db.batch(seq)
-    assert (b.completed, b.failed, b.total_tokens) == (3, 0, 9)
-    final = db.finalize(seq, "completed", 5)
-    assert final.status == "completed" and final.output_file_id
-    out = (tmp_path / "files" / final.output_file_id).read_bytes()
-    assert out.count(b"\n") == 3
-    assert db.finalize(seq, "completed", 6).completed_at == 5  # idempotent
-    db.close()

@@ -395,6 +395,7 @@ class Gateway:
         *,
         request_id: str,
         priority: str = "low",
+        seen: list[Exchange] | None = None,
     ) -> tuple[int, bytes]:
         """Serves one request from inside the process (a Batch API line, SPEC §14): the same
         validation, routing, scheduling, retries, health, key limits and accounting as an HTTP
@@ -407,6 +408,8 @@ class Gateway:
         task = asyncio.current_task(loop)
         assert task is not None
         ex = Exchange(request_id, time.monotonic(), Watchdog(loop, task), source="batch")
+        if seen is not None:  # SPEC §14 prompt cancel: the runner sees whether it was sent
+            seen.append(ex)
         ex.key_name = tenant.name if tenant.index else None
         resp: web.StreamResponse
         try:

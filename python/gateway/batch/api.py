@@ -13,6 +13,15 @@ is scoped to the caller's owner (`owners.principal`); the admin key sees all. An
 bounded by `batch.max_file_bytes` (413, checked on `Content-Length` before reading, then while
 streaming to disk) and only `purpose=batch` is accepted (the gateway runs batches; it is not a
 general file store).
+
+Quotas and expiry (SPEC §14): an upload counts against its key's `batch.max_stored_bytes`
+(every file the key keeps, outputs included; 413 `quota_exceeded`, checked on
+`Content-Length` first, then while streaming); a file honours OpenAI's `expires_after`
+(`anchor: created_at`, 3,600 to 2,592,000 seconds; a batch input file without it expires after
+30 days, as OpenAI's do) and a batch's `output_expires_after` its output files (else
+`batch.output_ttl`); the runner's janitor deletes them. A store failure is the client's 507
+or 503 (`faults`); a malformed multipart body (no boundary, a control character in a file
+name) is 400 `invalid_request`.
 """
 
 from __future__ import annotations
@@ -29,7 +38,8 @@ import orjson
 from aiohttp import BodyPartReader, web
 
 from gateway.batch import owners
-from gateway.batch.store import BatchRow, FileRow, Store, fsync_dir, new_id, now_s
+from gateway.batch.faults import QuotaExceeded, classify
+from gateway.batch.store import BatchRow, FileRow, Store, new_id, now_s
 from gateway.errors import InvalidRequest, MethodNotAllowed, NotFound, RequestTooLarge
 from gateway.messages import ENDPOINTS
 
@@ -49,6 +59,15 @@ _FIELD_MAX: Final = 1024  # a form field other than `file`
 _BODY_MAX: Final = 1 << 20  # a POST /v1/batches body
 _WRITE_CHUNK: Final = 1 << 20
 _METADATA_PAIRS: Final = 16
+#: OpenAI's `expires_after.seconds` bounds (1 hour to 30 days), and a batch file's default.
+EXPIRES_MIN_S: Final = 3600
+EXPIRES_MAX_S: Final = 2_592_000
+BATCH_FILE_TTL_S: Final = 2_592_000
+
+
+class _ExpiresAfter(msgspec.Struct):
+    anchor: str
+    seconds: int
 
 
 class _CreateBatch(msgspec.Struct):
@@ -56,7 +75,7 @@ class _CreateBatch(msgspec.Struct):
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
-    output_expires_after: Any = None  # accepted; outputs are kept until deleted
+    output_expires_after: _ExpiresAfter | None = None
 
 
 def file_doc(f: FileRow) -> dict[str, Any]:
@@ -66,7 +85,7 @@ def file_doc(f: FileRow) -> dict[str, Any]:
         "object": "file",
         "bytes": f.bytes,
         "created_at": f.created_at,
-        "expires_at": None,
+        "expires_at": f.expires_at,
         "filename": f.filename,
         "purpose": f.purpose,
         "status": "processed",
@@ -210,13 +229,25 @@ class BatchApi:
             raise InvalidRequest(
                 "Upload the file as multipart/form-data with the fields 'file' and 'purpose'."
             )
-        limit = self.service.gw.runtime.config.batch.max_file_bytes
+        cfg = self.service.gw.runtime.config.batch
+        limit = cfg.max_file_bytes
         if request.content_length is not None and request.content_length > limit + _MULTIPART_SLACK:
             raise _too_large(limit)
-        upload = _Upload(await self.service.open(), limit)
+        store = await self.service.open()
+        # SPEC §14: "per key `batch.max_stored_bytes` (... 413/429-shaped error when exceeded)".
+        room = cfg.max_stored_bytes - await store.call(store.db.used_bytes, who.owner)
+        if request.content_length is not None and request.content_length > room + _MULTIPART_SLACK:
+            raise _over_quota(cfg.max_stored_bytes)
+        upload = _Upload(store, limit, room, cfg.max_stored_bytes)
         try:
-            purpose = await upload.read(request)
-            return _json(file_doc(await upload.commit(who.owner, purpose)))
+            try:
+                purpose = await upload.read(request)
+                return _json(file_doc(await upload.commit(who.owner, purpose)))
+            except OSError as exc:  # the staging disk: full or read-only → 507 / 503
+                mapped = classify(exc)
+                if mapped is None:
+                    raise
+                raise mapped from exc
         finally:
             await upload.discard()
 
@@ -250,7 +281,9 @@ class BatchApi:
 
     async def file_content(self, request: web.BaseRequest, file_id: str) -> web.StreamResponse:
         store, found = await self._file(request, file_id)
-        path = store.file_path(found.id)
+        if store.files_dir is None:
+            return await _stream_chunks(request, store, found)
+        path = store.files_dir / found.id
         if not await asyncio.to_thread(path.is_file):
             raise NotFound("The file's content is gone from the store.", param="file_id")
         return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
@@ -276,9 +309,10 @@ class BatchApi:
             raise InvalidRequest(message, param="input_file_id")
         now = now_s()
         metadata = orjson.dumps(spec.metadata).decode() if spec.metadata else None
+        ttl = spec.output_expires_after.seconds if spec.output_expires_after else None
         row = BatchRow.new(
             new_id("batch_"), who.owner, spec.endpoint, source.id, now,
-            now + COMPLETION_WINDOW_S, metadata,
+            now + COMPLETION_WINDOW_S, metadata, output_ttl=ttl,
         )  # fmt: skip
         row = await store.call(store.db.create_batch, row)
         self.service.submit(row)
@@ -356,7 +390,20 @@ def _decode_create(raw: bytes) -> _CreateBatch:
     if spec.completion_window != "24h":
         raise InvalidRequest("'completion_window' must be \"24h\".", param="completion_window")
     _check_metadata(spec.metadata)
+    if spec.output_expires_after is not None:
+        _check_expiry(spec.output_expires_after, "output_expires_after")
     return spec
+
+
+def _check_expiry(spec: _ExpiresAfter, param: str) -> None:
+    """OpenAI's `expires_after`: anchor `created_at`, 3,600 to 2,592,000 seconds."""
+    if spec.anchor != "created_at":
+        raise InvalidRequest(f"'{param}.anchor' must be \"created_at\".", param=f"{param}.anchor")
+    if not EXPIRES_MIN_S <= spec.seconds <= EXPIRES_MAX_S:
+        raise InvalidRequest(
+            f"'{param}.seconds' must be from {EXPIRES_MIN_S} to {EXPIRES_MAX_S}.",
+            param=f"{param}.seconds",
+        )
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:
@@ -377,18 +424,58 @@ def _too_large(limit: int) -> RequestTooLarge:
     return RequestTooLarge(f"The file exceeds {limit} bytes (batch.max_file_bytes).")
 
 
-class _Upload:
-    """One multipart upload, streamed to a temp file beside the store's files."""
+def _over_quota(quota: int) -> QuotaExceeded:
+    return QuotaExceeded(
+        f"This upload would pass your key's storage quota of {quota} bytes "
+        "(batch.max_stored_bytes); delete files you no longer need."
+    )
 
-    def __init__(self, store: Store, limit: int) -> None:
+
+async def _stream_chunks(
+    request: web.BaseRequest, store: Store, found: FileRow
+) -> web.StreamResponse:
+    """A file kept in the database, sent chunk by chunk (one in memory at a time)."""
+    first = await store.call(store.db.read_chunk, found.id, 0)
+    if first is None and found.bytes:
+        raise NotFound("The file's content is gone from the store.", param="file_id")
+    resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+    resp.content_length = found.bytes
+    await resp.prepare(request)
+    n, chunk = 0, first
+    while chunk is not None:
+        await resp.write(chunk)
+        n += 1
+        chunk = await store.call(store.db.read_chunk, found.id, n)
+    await resp.write_eof()
+    return resp
+
+
+class _Upload:
+    """One multipart upload, streamed to a temp file in the store's staging directory."""
+
+    def __init__(self, store: Store, limit: int, room: int, quota: int) -> None:
         self.store = store
         self.limit = limit
+        self.room = room  # bytes the key may still store
+        self.quota = quota
         self.tmp: Path | None = None
         self.size = 0
         self.filename = "upload.jsonl"
+        self.anchor: str | None = None
+        self.seconds: str | None = None
 
     async def read(self, request: web.BaseRequest) -> str | None:
-        """Reads every part; returns `purpose` (the file is staged in `self.tmp`)."""
+        """Reads every part; returns `purpose` (the file is staged in `self.tmp`). A body
+        that is not valid multipart is the client's error (400), never a 500."""
+        try:
+            return await self._read(request)
+        except (ValueError, AssertionError, LookupError, UnicodeError) as exc:
+            raise InvalidRequest(
+                "The body is not valid multipart/form-data (a boundary in Content-Type, then "
+                "the fields 'file' and 'purpose')."
+            ) from exc
+
+    async def _read(self, request: web.BaseRequest) -> str | None:
         purpose: str | None = None
         reader = await request.multipart()
         while (part := await reader.next()) is not None:
@@ -398,13 +485,29 @@ class _Upload:
                 await self._stage(part)
             elif part.name == "purpose":
                 purpose = (await _small(part)).decode("utf-8", "replace").strip()
+            elif part.name == "expires_after[anchor]":
+                self.anchor = (await _small(part)).decode("utf-8", "replace").strip()
+            elif part.name == "expires_after[seconds]":
+                self.seconds = (await _small(part)).decode("utf-8", "replace").strip()
             else:
-                await _small(part)  # `expires_after[...]` and the like: read, ignored
+                await _small(part)  # other fields: read, ignored
         return purpose
+
+    def expires_at(self, created_at: int) -> int:
+        """OpenAI's `expires_after`: the file's `expires_at`; a batch file's default is 30
+        days (SPEC §14 "files honour OpenAI's `expires_after`")."""
+        if self.anchor is None and self.seconds is None:
+            return created_at + BATCH_FILE_TTL_S
+        try:
+            seconds = int(self.seconds or "")
+        except ValueError:
+            seconds = -1
+        _check_expiry(_ExpiresAfter(self.anchor or "", seconds), "expires_after")
+        return created_at + seconds
 
     async def _stage(self, part: BodyPartReader) -> None:
         self.filename = _clean_name(part.filename)
-        self.tmp = self.store.files_dir / f".upload-{new_id('')}.tmp"
+        self.tmp = self.store.staging_dir / f".upload-{new_id('')}.tmp"
         f: IO[bytes] = await asyncio.to_thread(open, self.tmp, "wb")
         try:
             pending = bytearray()
@@ -412,6 +515,8 @@ class _Upload:
                 self.size += len(chunk)
                 if self.size > self.limit:
                     raise _too_large(self.limit)
+                if self.size > self.room:
+                    raise _over_quota(self.quota)
                 pending += chunk
                 if len(pending) >= _WRITE_CHUNK:
                     await asyncio.to_thread(f.write, bytes(pending))
@@ -429,20 +534,19 @@ class _Upload:
             raise InvalidRequest(
                 "This gateway accepts files of purpose 'batch' only.", param="purpose"
             )
-        row = FileRow(0, new_id("file-"), owner, "batch", self.filename, self.size, now_s())
-        await asyncio.to_thread(_move, self.tmp, self.store.file_path(row.id))
-        self.tmp = None
-        return await self.store.call(self.store.db.add_file, row)
+        now = now_s()
+        expires = self.expires_at(now)
+        row = FileRow(0, new_id("file-"), owner, "batch", self.filename, self.size, now, expires)
+        staged, self.tmp = self.tmp, None
+        try:
+            return await self.store.call(self.store.db.add_file, row, staged)
+        finally:
+            await asyncio.to_thread(staged.unlink, True)
 
     async def discard(self) -> None:
         if self.tmp is not None:
             await asyncio.to_thread(self.tmp.unlink, True)
             self.tmp = None
-
-
-def _move(src: Path, dest: Path) -> None:
-    os.replace(src, dest)
-    fsync_dir(dest.parent)
 
 
 def _finish(f: IO[bytes], tail: bytes) -> None:
@@ -461,7 +565,10 @@ async def _small(part: BodyPartReader) -> bytes:
 
 
 def _clean_name(name: str | None) -> str:
-    """The uploaded file's name as shown back: its last path part, printable, bounded."""
+    """The uploaded file's name as shown back: its last path part, bounded; a control
+    character in it is the client's error (400), never a 500."""
+    if name is not None and any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise InvalidRequest("The file name holds a control character.", param="file")
     base = os.path.basename((name or "").replace("\\", "/"))
     base = "".join(c for c in base if c.isprintable())[:255]
     return base or "upload.jsonl"

@@ -6,15 +6,17 @@ key rotation), `admin` for the admin key, `anonymous` when auth is off. The admi
 every owner's files and batches; with auth off there is one owner.
 
 A batch's lines run as its owner's tenant — so the owner's RPM/TPM buckets and allowed
-aliases apply — but with a tenant index of the batch's own (`batch_index`), so that in the
-core's fair queues each batch is a tenant of its own: two batches, or a batch and its owner's
-live low-priority requests, share the low queue round-robin instead of one waiting behind the
-other.
+aliases apply — but with a tenant index for the owner's batches (`batch_index`). SPEC §14:
+"all batches of one key are one tenant of the low class (sixty batches from one key get one
+key's share, not sixty)"; and that tenant is not the key's live one, so the key's own live
+low-priority requests share the low queue round-robin with its batches instead of waiting
+behind them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
@@ -81,14 +83,15 @@ def base_tenant(keys: KeyRing, owner: str) -> Tenant | None:
     return None
 
 
-def batch_index(seq: int) -> int:
-    """The fair-queue tenant index of the batch with row number `seq`."""
-    return BATCH_TENANT_BASE + seq % (_U32 - BATCH_TENANT_BASE)
+def batch_index(owner: str) -> int:
+    """The fair-queue tenant index of every batch of `owner` (stable across restarts and
+    replicas: a hash of the owner, far above any key's own index)."""
+    return BATCH_TENANT_BASE + zlib.crc32(owner.encode()) % (_U32 - BATCH_TENANT_BASE)
 
 
-def batch_tenant(base: Tenant, seq: int) -> Tenant:
-    """`base` (its limits and aliases) under the batch's own fair-queue index."""
-    return dataclasses.replace(base, index=batch_index(seq))
+def batch_tenant(base: Tenant, owner: str) -> Tenant:
+    """`base` (its limits and aliases) under the owner's batch fair-queue index."""
+    return dataclasses.replace(base, index=batch_index(owner))
 
 
 def allowed_models(router: Router, tenant: Tenant | None) -> frozenset[str]:

@@ -11,9 +11,13 @@ a batch."
   50,000-line batch never fills it. A line's slot is freed only by the commit of its result:
   that is what bounds the lines a `kill -9` can make run twice (SPEC: "a line in flight at a
   crash is sent again at most once").
-- **Fairness.** Each batch runs under its own tenant index (`owners.batch_index`): the core's
-  per-tenant round-robin shares the low queue between batches, and with the owner's live
-  low-priority traffic. Claims rotate across batches when the global bound binds.
+- **Fairness.** SPEC §14: "all batches of one key are one tenant of the low class (sixty
+  batches from one key get one key's share, not sixty)". Every batch of an owner runs under
+  the owner's one batch tenant index (`owners.batch_index`): the core's per-tenant
+  round-robin shares the low queue between owners, and with live low-priority traffic. The
+  global bound is split between owners first (each gets an equal part of it), then between
+  an owner's batches, oldest first. A line answered `queue_timeout` (it waited its class's
+  `max_wait_ms`) is re-queued, never failed, while its batch's window is open.
 - **One pump, group commits.** A single task (`_pump`) hands finished lines to the store and
   leases the next ones in one transaction (`Store.exchange`) every `FLUSH_S` (50 ms), at
   `FLUSH_MAX` (100) results, or as soon as a batch has half its slots free.
@@ -23,10 +27,25 @@ a batch."
   status. A 429 from the owner's own RPM/TPM limit is not a failure: the owner's lines wait
   for the `Retry-After` the limiter named (one probing request at a time while it holds), as
   do lines refused because the gateway itself is full (`queue_full`, `overloaded`).
-- **Cancel** (`cancelling` → `cancelled`): no new line starts and no retry is made; lines
-  already queued or in flight finish and keep their results. **Expiry** (`expires_at`, 24 h):
-  lines still running are abandoned and every unfinished line goes to the error file as
-  `batch_expired`. Both keep partial results (`Store.finalize`).
+- **Cancel** (`cancelling` → `cancelled`), SPEC §14 "Cancel is prompt": every line of the
+  batch not yet sent upstream — queued in the core, backing off, waiting for a rate limit — is
+  withdrawn at once (its task cancelled; `Gateway.call` hands back the exchange, so the runner
+  sees whether an attempt started); lines already sent finish and keep their results, no retry
+  is made; then its leases are released and the batch finalized with the results it has; the
+  lines never answered go to the error file as `batch_cancelled`. **Expiry** (`expires_at`,
+  24 h) withdraws every line, sent or not, and ends the batch with `batch_expired`.
+- **Several replicas** (a shared store, PostgreSQL): a watch task renews this replica's
+  heartbeat, takes over the leases of a dead peer (`BatchDb.heartbeat`) and every
+  `WATCH_S` reads the unfinished batches: new ones (created through a peer) are validated by
+  one replica (`claim_validation`) and run by all, a cancel made through a peer halts the
+  lines here, a batch finished by a peer is dropped. A batch is finalized by whoever finds
+  none of its lines leased; the others see it finished.
+- **Store failures** (a full or read-only disk, a lost database) never leave a batch stuck:
+  validation, group commits and finalization retry with exponential backoff (up to
+  `RETRY_MAX_S`), with one log line when a failure starts and one when it ends, not a
+  traceback per try; a validation that still fails after `VALIDATE_TRIES` ends the batch
+  `failed` with the reason in its `errors`. A janitor deletes expired files every
+  `JANITOR_S` (SPEC §14 "Quotas and expiry").
 """
 
 from __future__ import annotations
@@ -47,13 +66,15 @@ import msgspec
 
 from gateway.auth import KeyRing, Tenant
 from gateway.batch import owners
+from gateway.batch.faults import classify
 from gateway.batch.records import answer_record, line_id
-from gateway.batch.store import BatchRow, Claimed, LineResult, Store, now_s
+from gateway.batch.store import BatchRow, Claimed, LineResult, Store, new_id, now_s
 from gateway.batch.validate import Checked, LineError, Rules, check_file
 from gateway.messages import ENDPOINTS, Endpoint
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
+    from gateway.exchange import Exchange
 
 __all__ = ["Runner"]
 
@@ -68,8 +89,15 @@ BACKOFF_MAX_S: Final = 30.0
 # A line refused because the gateway itself is full waits this long (with jitter).
 BUSY_WAIT_S: Final = 1.0
 MAX_RUNNING_SHOWN: Final = 20
+#: A shared store is read this often (peers' batches, cancels; heartbeat every other time).
+WATCH_S: Final = 0.5
+JANITOR_S: Final = 60.0
+RETRY_BASE_S: Final = 1.0
+RETRY_MAX_S: Final = 60.0
+VALIDATE_TRIES: Final = 5
 
 OnStatus = Callable[[str, str], None]
+OnCounts = Callable[[dict[str, int]], None]
 
 
 class Verdict(enum.Enum):
@@ -120,6 +148,10 @@ def verdict(status: int, body: bytes) -> tuple[Verdict, float]:
             return Verdict.LATER, retry_after_s(err.message)
         if err.code in ("queue_full", "overloaded"):
             return Verdict.LATER, BUSY_WAIT_S
+        if err.code == "queue_timeout":
+            # SPEC §14: "a batch line never fails with `queue_timeout` while its window is
+            # open": it is queued again (the window's end is the runner's expiry).
+            return Verdict.LATER, 0.0
         if err.code == "draining":
             return Verdict.STOP, 0.0
     if status in (408, 429) or status >= 500:
@@ -153,12 +185,16 @@ class _Run:
     completed: int = 0
     failed: int = 0
     tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)
+    # Each running line's exchanges (one per try): an attempt started = sent upstream.
+    seen: dict[int, list[Exchange]] = field(default_factory=dict)
     awaiting: int = 0  # results buffered, not committed yet (their slots are still taken)
     exhausted: bool = False  # no pending line left to lease
     validating: bool = False
     cancelling: bool = False
     expired: bool = False
     finalizing: bool = False
+    not_before: float = 0.0  # finalize is retried from then (loop time)
+    failures: int = 0  # finalizations failed in a row
     halt: asyncio.Event = field(default_factory=asyncio.Event)
     tenant: Tenant | None = None
     ring: KeyRing | None = None
@@ -201,10 +237,19 @@ def _run_of(row: BatchRow) -> _Run:
 class Runner:
     """Every unfinished batch of one store, run by this process."""
 
-    def __init__(self, gateway: Gateway, store: Store, on_status: OnStatus) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        store: Store,
+        on_status: OnStatus,
+        on_counts: OnCounts | None = None,
+    ) -> None:
         self.gw = gateway
         self.store = store
         self.on_status = on_status
+        self.on_counts = on_counts
+        self._watch_task: asyncio.Task[None] | None = None
+        self._failing: set[str] = set()  # what is failing now (logged once, then on recovery)
         self._runs: dict[int, _Run] = {}
         self._buffer: list[LineResult] = []
         self._first_at: float | None = None
@@ -225,15 +270,20 @@ class Runner:
             if row.status == "validating":
                 self.submit(row)
                 continue
-            run = _run_of(row)
-            run.cancelling = row.status == "cancelling"
-            run.exhausted = row.status == "finalizing"
-            if run.cancelling:
-                run.halt.set()
-            self._runs[row.seq] = run
+            self._adopt(row)
         loop = asyncio.get_running_loop()
         self._pump_task = loop.create_task(self._pump(), name="batch-pump")
+        self._watch_task = loop.create_task(self._watch(), name="batch-watch")
         self._wake.set()
+
+    def _adopt(self, row: BatchRow) -> None:
+        """Runs (or finishes) a batch validated already, here or by a peer."""
+        run = _run_of(row)
+        run.cancelling = row.status == "cancelling"
+        run.exhausted = row.status == "finalizing"
+        if run.cancelling:
+            run.halt.set()
+        self._runs[row.seq] = run
 
     def submit(self, row: BatchRow) -> None:
         """A new batch (status `validating`): check its file, then run it."""
@@ -243,13 +293,17 @@ class Runner:
         self._spawn(self._validate(run), f"batch-validate-{row.id}")
 
     def cancel(self, seq: int) -> None:
-        """The batch went `cancelling` (already in the store)."""
+        """The batch went `cancelling` (already in the store): its lines are withdrawn now
+        (SPEC §14 "lines not yet sent are withdrawn at once")."""
         run = self._runs.get(seq)
         if run is None or run.cancelling:
             return
         run.status = "cancelling"
         run.cancelling = True
         run.halt.set()
+        for line_no, task in run.tasks.items():
+            if not any(ex.attempts for ex in run.seen.get(line_no, ())):
+                task.cancel()  # not sent yet: withdrawn (in flight: it finishes)
         self._wake.set()
 
     async def drain(self, within_s: float) -> None:
@@ -271,17 +325,21 @@ class Runner:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._pump_task is not None:
-            self._pump_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._pump_task
+        for background in (self._pump_task, self._watch_task):
+            if background is not None:
+                background.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await background
         await asyncio.gather(*self._aux, return_exceptions=True)
         results, self._buffer = self._buffer, []
         try:
-            await self.store.call(self.store.db.exchange, results, [])
+            await self.store.call(self.store.db.exchange, results, [], 0)
             await self.store.call(self.store.db.release)
-        except Exception:
-            log.exception("batch store: final commit failed (the lines will run again)")
+        except Exception as exc:
+            log.error(
+                "batch store: final commit failed (the lines will run again)",
+                extra={"fields": {"reason": _reason(exc)}},
+            )
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.get_running_loop().create_task(self._guard(coro, name), name=name)
@@ -310,8 +368,51 @@ class Runner:
     # ---- validation ------------------------------------------------------------------------
 
     async def _validate(self, run: _Run) -> None:
+        """Validates with bounded retries: a store failure is retried with backoff, then ends
+        the batch `failed` with the reason (SPEC §14: never stuck in `validating`)."""
+        tries = 0
+        reason = ""
+        while True:
+            try:
+                await self._validate_once(run)
+                self._recovered(f"validate {run.id}")
+                return
+            except Exception as exc:
+                tries += 1
+                if classify(exc) is None:
+                    raise
+                self._failed(f"validate {run.id}", exc)
+                reason = _reason(exc)
+                if tries >= VALIDATE_TRIES:
+                    break
+                if not await self._nap(run, _retry_wait(tries)):
+                    return
+        errors = [
+            {
+                "code": "store_error",
+                "line": None,
+                "message": "The batch store could not record the input's lines: " + reason,
+                "param": None,
+            }
+        ]
+        while True:  # ending it failed needs the store too: retried until it takes
+            try:
+                new = await self.store.call(self.store.db.fail, run.seq, errors, now_s())
+                break
+            except Exception as exc2:
+                if classify(exc2) is None:
+                    raise
+                tries += 1
+                if not await self._nap(run, _retry_wait(tries)):
+                    return
+        self._validated(run, new)
+
+    async def _validate_once(self, run: _Run) -> None:
         row = run.row
         db = self.store.db
+        if not await self.store.call(db.claim_validation, row.seq):
+            self._runs.pop(row.seq, None)  # a live peer validates it
+            return
         base = owners.base_tenant(self.gw.keys, row.owner)
         cfg = self.gw.runtime.config
         assert run.endpoint is not None  # the API admits only served endpoints
@@ -327,14 +428,18 @@ class Runner:
         def sink(chunk: list[tuple[int, str, bytes]]) -> None:
             self.store.call_sync(db.insert_lines, row.seq, chunk)
 
-        path = self.store.file_path(row.input_file_id)
+        temp = self.store.staging_dir / f".input-{new_id('')}.tmp"
         try:
-            checked = await asyncio.to_thread(check_file, path, rules, sink, self._abort)
-        except OSError:
-            message = "The input file could not be read (was it deleted?)."
-            checked = Checked(errors=[LineError("file_not_found", message).doc(None)])
+            path = await self.store.call(db.export, row.input_file_id, temp)
+            try:
+                checked = await asyncio.to_thread(check_file, path, rules, sink, self._abort)
+            except FileNotFoundError:
+                message = "The input file could not be read (was it deleted?)."
+                checked = Checked(errors=[LineError("file_not_found", message).doc(None)])
+        finally:
+            await asyncio.to_thread(temp.unlink, True)
         if checked.aborted:
-            return  # stopping: validated again at the next start
+            return  # stopping: validated again at the next start (or by a peer)
         if checked.errors:
             new = await self.store.call(db.fail, row.seq, checked.errors, now_s())
         else:
@@ -361,6 +466,7 @@ class Runner:
 
     async def _pump(self) -> None:
         loop = asyncio.get_running_loop()
+        failures = 0
         while True:
             timeout = TICK_S
             if self._first_at is not None:
@@ -371,9 +477,15 @@ class Runner:
             self._wake.clear()
             try:
                 await self._cycle()
-            except Exception:
-                log.exception("batch group commit failed; retrying in 1 s")
-                await asyncio.sleep(1.0)
+                self._recovered("commit")
+                failures = 0
+            except Exception as exc:
+                if classify(exc) is None:
+                    log.exception("batch group commit failed")
+                else:
+                    self._failed("commit", exc)
+                failures += 1
+                await asyncio.sleep(_retry_wait(failures))
 
     async def _cycle(self) -> None:
         """One group commit: results in, next lines out; then expiry and finalization."""
@@ -381,15 +493,18 @@ class Runner:
         results, self._buffer = self._buffer, []
         self._first_at = None
         claims = self._claims()
+        per_batch, _ = self._limits()
         if results or claims:
             try:
-                applied, claimed = await self.store.call(self.store.db.exchange, results, claims)
+                applied, claimed, exhausted = await self.store.call(
+                    self.store.db.exchange, results, claims, per_batch
+                )
             except BaseException:
                 self._buffer[:0] = results
                 self._first_at = asyncio.get_running_loop().time()
                 raise
             self._applied(results, applied)
-            self._start_lines(claimed, dict(claims))
+            self._start_lines(claimed, exhausted)
         self._finish_ready()
 
     def _limits(self) -> tuple[int, int]:
@@ -400,24 +515,39 @@ class Runner:
         return per_batch, max(per_batch, half_low)
 
     def _claims(self) -> list[tuple[int, int]]:
+        """(batch, lines to lease) for this group commit: the global budget split equally
+        between owners (rotating who goes first), each owner's part between its batches,
+        oldest first (SPEC §14: a key's batches are one tenant, not one each)."""
         if self._stopping:
             return []
         per_batch, budget = self._limits()
-        runs = list(self._runs.values())
-        budget -= sum(len(r.tasks) + r.awaiting for r in runs)
-        if runs:
-            self._rotate = (self._rotate + 1) % len(runs)
-            runs = runs[self._rotate :] + runs[: self._rotate]
+        by_owner: dict[str, list[_Run]] = {}
+        for run in sorted(self._runs.values(), key=lambda r: r.seq):
+            budget -= len(run.tasks) + run.awaiting
+            by_owner.setdefault(run.row.owner, []).append(run)
+        owners_ = list(by_owner)
+        if not owners_:
+            return []
+        self._rotate = (self._rotate + 1) % len(owners_)
+        owners_ = owners_[self._rotate :] + owners_[: self._rotate]
+        share = max(per_batch, -(-max(0, budget + self._held()) // len(owners_)))
         out = []
-        for run in runs:
-            if run.status != "in_progress" or run.exhausted or run.halt.is_set():
-                continue
-            # The results of this group commit free their slots in the same transaction.
-            n = min(per_batch - len(run.tasks), budget)
-            if n > 0:
-                out.append((run.seq, n))
-                budget -= n
+        for owner in owners_:
+            runs = by_owner[owner]
+            room = share - sum(len(r.tasks) + r.awaiting for r in runs)
+            for run in runs:
+                if run.status != "in_progress" or run.exhausted or run.halt.is_set():
+                    continue
+                # The results of this group commit free their slots in the same transaction.
+                n = min(per_batch - len(run.tasks), budget, room)
+                if n > 0:
+                    out.append((run.seq, n))
+                    budget -= n
+                    room -= n
         return out
+
+    def _held(self) -> int:
+        return sum(len(r.tasks) + r.awaiting for r in self._runs.values())
 
     def _applied(self, results: list[LineResult], applied: list[LineResult]) -> None:
         for r in results:
@@ -434,16 +564,16 @@ class Runner:
                     run.failed += 1
             metrics.batch_line_done(r.ok)
 
-    def _start_lines(self, claimed: dict[int, list[Claimed]], asked: dict[int, int]) -> None:
+    def _start_lines(self, claimed: dict[int, list[Claimed]], exhausted: set[int]) -> None:
         loop = asyncio.get_running_loop()
         for seq, lines in claimed.items():
             run = self._runs.get(seq)
             if run is None:
                 continue
-            if len(lines) < asked.get(seq, 0):
+            if seq in exhausted:
                 run.exhausted = True
             if run.halt.is_set():
-                continue  # cancelled meanwhile: these stay unfinished
+                continue  # cancelled meanwhile: released by its finalize (error file)
             for line in lines:
                 task = loop.create_task(self._line(run, line))
                 run.tasks[line.line_no] = task
@@ -451,8 +581,11 @@ class Runner:
     def _finish_ready(self) -> None:
         if self._stopping:
             return
+        now = asyncio.get_running_loop().time()
         for run in list(self._runs.values()):
             if run.finalizing or run.validating or run.tasks or run.awaiting:
+                continue
+            if now < run.not_before:
                 continue
             if run.exhausted or run.halt.is_set():
                 final = "expired" if run.expired else "cancelled" if run.cancelling else "completed"
@@ -464,13 +597,30 @@ class Runner:
         if final == "completed" and old == "in_progress":
             self.on_status(old, "finalizing")
             run.status = old = "finalizing"
+        loop = asyncio.get_running_loop()
+        ttl = self.gw.runtime.config.batch.output_ttl
+        db = self.store.db
         try:
-            row = await self.store.call(self.store.db.finalize, run.seq, final, now_s())
-        except Exception:
-            log.exception("batch finalize failed; retrying", extra={"fields": {"batch": run.id}})
-            await asyncio.sleep(TICK_S)
+            if final != "completed":  # this replica's leases of a halted batch end here
+                await self.store.call(db.release, run.seq)
+            row = await self.store.call(db.finalize, run.seq, final, now_s(), ttl)
+        except Exception as exc:
+            # SPEC §14: never stuck in finalizing or cancelling — retried with backoff (the
+            # results are kept; it completes once the store takes writes again).
+            if classify(exc) is None:
+                log.exception("batch finalize failed", extra={"fields": {"batch": run.id}})
+            else:
+                self._failed(f"finalize {run.id}", exc)
+            run.failures += 1
+            run.not_before = loop.time() + _retry_wait(run.failures)
             run.finalizing = False
-            self._wake.set()
+            return
+        self._recovered(f"finalize {run.id}")
+        run.failures = 0
+        if row is None:  # a line is still leased (by a peer), or pending again: not yet
+            run.finalizing = False
+            run.exhausted = False
+            run.not_before = loop.time() + TICK_S
             return
         self.on_status(old, row.status)
         self._runs.pop(run.seq, None)
@@ -486,6 +636,90 @@ class Runner:
                 }
             },
         )
+
+    # ---- a shared store: peers, takeovers, the janitor ------------------------------------
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        janitor_at = loop.time() + 1.0
+        beat = 0
+        while True:
+            try:
+                if self.store.shared:
+                    beat += 1
+                    taken = 0
+                    if beat % 2 == 1:
+                        taken = await self.store.call(self.store.db.heartbeat)
+                    if taken:
+                        for run in self._runs.values():
+                            run.exhausted = False  # a dead peer's lines are pending again
+                    await self._refresh()
+                if loop.time() >= janitor_at:
+                    janitor_at = loop.time() + JANITOR_S
+                    n = await self.store.call(self.store.db.janitor, now_s())
+                    if n:
+                        log.info("expired batch files deleted", extra={"fields": {"files": n}})
+                self._recovered("watch")
+            except Exception as exc:
+                if classify(exc) is None:
+                    log.exception("batch watch failed")
+                else:
+                    self._failed("watch", exc)
+            await asyncio.sleep(WATCH_S if self.store.shared else JANITOR_S / 4)
+
+    async def _refresh(self) -> None:
+        """Peers' changes: new batches, cancels, batches finished elsewhere."""
+        db = self.store.db
+        rows = await self.store.call(db.unfinished)
+        if self.on_counts is not None:
+            self.on_counts(await self.store.call(db.status_counts))
+        seen = set()
+        for row in rows:
+            seen.add(row.seq)
+            run = self._runs.get(row.seq)
+            if run is None:
+                if self._stopping:
+                    continue
+                if row.status == "validating":
+                    run = _run_of(row)
+                    run.validating = True
+                    self._runs[row.seq] = run
+                    self._spawn(self._validate(run), f"batch-validate-{row.id}")
+                else:
+                    self._adopt(row)
+                continue
+            if row.status == "cancelling" and not run.cancelling:
+                self.cancel(row.seq)
+            elif (
+                row.status == "in_progress"
+                and run.status != "in_progress"
+                and not (run.validating or run.cancelling or run.finalizing)
+            ):
+                run.row, run.status, run.total = row, row.status, row.total
+            if run.status == "in_progress" and not run.tasks:
+                run.exhausted = False  # lines a peer gave back are leased again
+        for seq, run in list(self._runs.items()):
+            if seq not in seen and not (run.validating or run.finalizing):
+                run.halt.set()  # finished by a peer
+                for task in run.tasks.values():
+                    task.cancel()
+                if not run.tasks:
+                    self._runs.pop(seq, None)
+        self._wake.set()
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        """One log line when `what` starts failing (not one per retry)."""
+        if what not in self._failing:
+            self._failing.add(what)
+            log.error(
+                "batch store failing; retrying with backoff",
+                extra={"fields": {"task": what, "reason": _reason(exc)}},
+            )
+
+    def _recovered(self, what: str) -> None:
+        if what in self._failing:
+            self._failing.discard(what)
+            log.info("batch store recovered", extra={"fields": {"task": what}})
 
     def _expire(self) -> None:
         """SPEC §14 / OpenAI: a batch still running at `expires_at` ends `expired`."""
@@ -511,6 +745,7 @@ class Runner:
             result = _result(run, line, line_id(run.id, line.custom_id), 500, "", body)
         finally:
             run.tasks.pop(line.line_no, None)
+            run.seen.pop(line.line_no, None)
         if result is not None:
             self._buffer.append(result)
             run.awaiting += 1
@@ -533,6 +768,7 @@ class Runner:
         """Sends one line until it has a final answer; None if abandoned (cancel, stop)."""
         assert run.endpoint is not None
         out_id = line_id(run.id, line.custom_id)
+        seen = run.seen.setdefault(line.line_no, [])
         retries = tries = 0
         while not (run.halt.is_set() or self._stopping):
             tenant = self._tenant(run)
@@ -541,7 +777,7 @@ class Runner:
                 continue
             tries += 1
             request_id = f"{out_id}-{line.attempt}-{tries}"
-            answer = await self._call(run, tenant, line.body, request_id)
+            answer = await self._call(run, tenant, line.body, request_id, seen)
             if answer is None:
                 return None
             status, body = answer
@@ -563,7 +799,7 @@ class Runner:
         return None
 
     async def _call(
-        self, run: _Run, tenant: Tenant, body: bytes, request_id: str
+        self, run: _Run, tenant: Tenant, body: bytes, request_id: str, seen: list[Exchange]
     ) -> tuple[int, bytes] | None:
         """`Gateway.call` at low priority; while the owner is held back by its rate limit,
         one line at a time waits for the hold to end and probes."""
@@ -576,8 +812,10 @@ class Runner:
                 if wait > 0:
                     if not await self._nap(run, wait):
                         return None
-                    return await self.gw.call(run.endpoint, body, tenant, request_id=request_id)
-        return await self.gw.call(run.endpoint, body, tenant, request_id=request_id)
+                    return await self.gw.call(
+                        run.endpoint, body, tenant, request_id=request_id, seen=seen
+                    )
+        return await self.gw.call(run.endpoint, body, tenant, request_id=request_id, seen=seen)
 
     def _hold(self, owner: str, seconds: float) -> None:
         throttle = self._throttles.setdefault(owner, _Throttle())
@@ -591,12 +829,12 @@ class Runner:
         return not (run.halt.is_set() or self._stopping)
 
     def _tenant(self, run: _Run) -> Tenant | None:
-        """The owner's tenant under the batch's own fair-queue index (re-read after a reload:
-        the owner's limits and aliases are the current ones)."""
+        """The owner's tenant under the owner's batch fair-queue index (re-read after a
+        reload: the owner's limits and aliases are the current ones)."""
         keys = self.gw.keys
         if run.ring is not keys:
             base = owners.base_tenant(keys, run.row.owner)
-            run.tenant = None if base is None else owners.batch_tenant(base, run.seq)
+            run.tenant = None if base is None else owners.batch_tenant(base, run.row.owner)
             run.ring = keys
         return run.tenant
 
@@ -606,3 +844,16 @@ def _result(
 ) -> LineResult:
     ok, usage, record = answer_record(out_id, line.custom_id, status, request_id, body)
     return LineResult(run.seq, line.line_no, line.custom_id, line.attempt, ok, record, usage)
+
+
+def _retry_wait(failures: int) -> float:
+    """Backoff before retry number `failures` of a failing store operation."""
+    step: float = RETRY_BASE_S * 2.0 ** (failures - 1)
+    return min(RETRY_MAX_S, step) * random.uniform(0.8, 1.0)
+
+
+def _reason(exc: BaseException) -> str:
+    """What a log line or a batch's `errors` says about a store failure (the client's message
+    for a known one: no path, no URL)."""
+    mapped = classify(exc)
+    return mapped.message if mapped is not None else type(exc).__name__

@@ -5,13 +5,16 @@ resume: SPEC §14 "a restart, even `kill -9`, resumes every unfinished batch"), 
 first Batch API request — a gateway whose Batch API is never used creates no file. Once open,
 the path is fixed until restart (a reload that changes `batch.store` is logged and ignored).
 
-One process owns a store: an exclusive `flock` on `<store>.lock` (released by the kernel when
-the process dies, `kill -9` included) keeps a second gateway on the same host from running the
-same lines; it answers the Batch API with 500 and says why in its log. Several replicas would need a
-shared database instead (the same schema on Postgres), not a shared SQLite file.
+One process owns a SQLite store: an exclusive `flock` on `<store>.lock` (released by the kernel
+when the process dies, `kill -9` included) keeps a second gateway on the same host from running
+the same lines; it answers the Batch API with 503 `store_unavailable` and says why in its log.
+Several replicas share a PostgreSQL store instead (`batch.store: postgresql://…`,
+`pgstore.py`): it is opened at start (every replica runs lines and takes over a dead one's),
+and an unreachable database is logged and retried at the next Batch API call, never a 500.
 
 Batch counts by status are kept in memory (read from the store at open, then moved by every
-transition) so `/admin/state` and `/metrics` read them without touching the disk.
+transition; with a shared store re-read by the runner's watch, since peers move them too) so
+`/admin/state` and `/metrics` read them without touching the disk.
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ import contextlib
 import fcntl
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from gateway.batch.api import BatchApi
+from gateway.batch.faults import StoreDown
 from gateway.batch.runner import Runner
-from gateway.batch.store import STATUSES, BatchRow, Store
-from gateway.errors import InternalError
+from gateway.batch.store import STATUSES, BatchRow, SchemaTooNew, SqliteStore, Store
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -37,8 +41,13 @@ __all__ = ["BatchService", "StoreUnavailable"]
 log = logging.getLogger("gateway.batch")
 
 
-class StoreUnavailable(InternalError):
-    """The batch store cannot be opened (held by another process, unreadable)."""
+class StoreUnavailable(StoreDown):
+    """The batch store cannot be opened (held by another process, unreachable, too new):
+    503 `store_unavailable` with the reason, never a 500."""
+
+
+def is_postgres(store: str) -> bool:
+    return store.startswith(("postgresql://", "postgres://"))
 
 
 class BatchService:
@@ -60,8 +69,9 @@ class BatchService:
         return self.gw.runtime.config.batch.store
 
     async def start(self) -> None:
-        """Resumes the unfinished batches of an existing store."""
-        if await asyncio.to_thread(os.path.exists, self.path):
+        """Resumes the unfinished batches of an existing store (a PostgreSQL store is always
+        opened: this replica runs lines and takes over a dead peer's)."""
+        if is_postgres(self.path) or await asyncio.to_thread(os.path.exists, self.path):
             try:
                 await self.open()
             except StoreUnavailable as exc:
@@ -85,25 +95,46 @@ class BatchService:
     async def existing(self) -> Store | None:
         """The store if there is one (opened on first use); None while none was ever created
         — a read never creates it (no file in the working directory for a mere `GET`)."""
-        if self.store is None and not await asyncio.to_thread(os.path.exists, self.path):
+        if (
+            self.store is None
+            and not is_postgres(self.path)
+            and not await asyncio.to_thread(os.path.exists, self.path)
+        ):
             return None
         return await self.open()
 
     async def _open(self, path: str) -> None:
-        self._lock_file = await asyncio.to_thread(_lock, path)
-        store = Store(path)
+        store: Store
+        if is_postgres(path):
+            from gateway.batch.pgstore import PgStore  # psycopg: only with a PostgreSQL store
+
+            staging = await asyncio.to_thread(tempfile.mkdtemp, prefix="gateway-batch-")
+            store = PgStore(path, Path(staging))
+        else:
+            self._lock_file = await asyncio.to_thread(_lock, path)
+            store = SqliteStore(path)
         try:
             await store.open()
             counts = await store.call(store.db.status_counts)
             unfinished = await store.call(store.db.unfinished)
+        except SchemaTooNew as exc:
+            await store.close()
+            self._unlock()
+            log.error("batch store refused", extra={"fields": {"reason": str(exc)}})
+            raise StoreUnavailable(str(exc)) from exc
         except Exception as exc:
             await store.close()
             self._unlock()
-            log.exception("batch store failed to open")
-            raise StoreUnavailable("The batch store could not be opened.") from exc
+            # The reason without the URL or path (a URL may carry a password).
+            reason = type(exc).__name__ + ": " + str(exc).replace(path, "<batch.store>")
+            log.error("batch store failed to open", extra={"fields": {"reason": reason}})
+            raise StoreUnavailable(
+                "The batch store could not be opened; the operator's log says why.",
+                retry_after_ms=5000,
+            ) from exc
         self.counts = dict.fromkeys(STATUSES, 0) | counts
         self.store = store
-        self.runner = Runner(self.gw, store, self.transition)
+        self.runner = Runner(self.gw, store, self.transition, self._recount)
         self.runner.start(unfinished)
         if unfinished:
             log.info("batches resumed", extra={"fields": {"batches": len(unfinished)}})
@@ -117,6 +148,10 @@ class BatchService:
         if old:
             self.counts[old] = self.counts.get(old, 0) - 1
         self.counts[new] = self.counts.get(new, 0) + 1
+
+    def _recount(self, counts: dict[str, int]) -> None:
+        """A shared store's counts, as read by the runner's watch."""
+        self.counts = dict.fromkeys(STATUSES, 0) | counts
 
     def submit(self, row: BatchRow) -> None:
         self.transition("", row.status)
@@ -161,7 +196,9 @@ def _lock(path: str) -> IO[bytes]:
     except OSError:
         f.close()
         raise StoreUnavailable(
-            "The batch store is in use by another gateway process on this host."
+            "The batch store is in use by another gateway process on this host (a SQLite "
+            "store serves one process; several replicas need batch.store: postgresql://…).",
+            retry_after_ms=5000,
         ) from None
     with contextlib.suppress(OSError):
         f.truncate(0)

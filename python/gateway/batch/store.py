@@ -1,4 +1,6 @@
-"""The Batch API's durable state: files, batches, lines and results in SQLite.
+"""The Batch API's durable state: files, batches, lines and results — the store interface
+(`BatchDb`, `Store`) and its embedded implementation, SQLite (`Database`, `SqliteStore`); the
+PostgreSQL one, for several replicas, is `pgstore.py` (SPEC §14 "Across hosts").
 
 SPEC §14: "Durable: files and batch progress live in SQLite (WAL) at `batch.store` (default
 `./gateway-batches.db`); a restart, even `kill -9`, resumes every unfinished batch; no line is
@@ -59,21 +61,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Final, ParamSpec, TypeVar
+from typing import Any, Final, ParamSpec, Protocol, TypeVar
 
 import orjson
 
+from gateway.batch.faults import classify
 from gateway.batch.records import CANCELLED, EXPIRED, Usage, line_id, unfinished_record
 
 __all__ = [
     "ACTIVE",
     "STATUSES",
     "TERMINAL",
+    "BatchDb",
     "BatchRow",
     "Claimed",
     "Database",
     "FileRow",
     "LineResult",
+    "SqliteStore",
     "Store",
     "fsync_dir",
     "new_id",
@@ -98,7 +103,15 @@ STATUSES: Final = (
 TERMINAL: Final = frozenset(("completed", "failed", "cancelled", "expired"))
 ACTIVE: Final = frozenset(STATUSES) - TERMINAL
 
-_SCHEMA_VERSION: Final = 1
+#: Forward migrations: version n+1 is `_MIGRATIONS[n]` (version 1 is `_SCHEMA`). The version
+#: lives in `PRAGMA user_version`; a file newer than this code is refused at open.
+_MIGRATIONS: Final = (
+    # 2: SPEC §14 "Quotas and expiry": a file's `expires_at`, a batch's output retention.
+    "ALTER TABLE files ADD COLUMN expires_at INTEGER;"
+    "ALTER TABLE batches ADD COLUMN output_ttl INTEGER;"
+    "CREATE INDEX IF NOT EXISTS files_owner ON files(owner);",
+)
+_SCHEMA_VERSION: Final = 1 + len(_MIGRATIONS)
 _SCHEMA: Final = """
 CREATE TABLE IF NOT EXISTS files (
     seq INTEGER PRIMARY KEY,
@@ -168,9 +181,9 @@ _BATCH_COLUMNS: Final = (
     "errors, output_file_id, error_file_id, created_at, in_progress_at, expires_at, "
     "finalizing_at, completed_at, failed_at, expired_at, cancelling_at, cancelled_at, total, "
     "completed, failed, input_tokens, output_tokens, total_tokens, cached_tokens, "
-    "reasoning_tokens"
+    "reasoning_tokens, output_ttl"
 )
-_FILE_COLUMNS: Final = "seq, id, owner, purpose, filename, bytes, created_at"
+_FILE_COLUMNS: Final = "seq, id, owner, purpose, filename, bytes, created_at, expires_at"
 
 
 def new_id(prefix: str) -> str:
@@ -191,6 +204,7 @@ class FileRow:
     filename: str
     bytes: int
     created_at: int
+    expires_at: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +240,7 @@ class BatchRow:
     total_tokens: int
     cached_tokens: int
     reasoning_tokens: int
+    output_ttl: int | None = None  # seconds its output and error files are kept
 
     @classmethod
     def new(
@@ -238,12 +253,14 @@ class BatchRow:
         expires_at: int,
         metadata: str | None = None,
         status: str = "validating",
+        output_ttl: int | None = None,
     ) -> BatchRow:
         """A batch as `POST /v1/batches` creates it (its `seq` is given by the store)."""
-        tail: list[Any] = [None] * 6 + [0] * 8  # the other *_at, then the counters
+        none, zero = None, 0  # the other *_at, then the counters
         return cls(
             0, batch_id, owner, endpoint, input_file_id, "24h", status, None, metadata, None,
-            None, None, created_at, None, expires_at, *tail,
+            None, None, created_at, None, expires_at, none, none, none, none, none, none,
+            zero, zero, zero, zero, zero, zero, zero, zero, output_ttl,
         )  # fmt: skip
 
 
@@ -276,9 +293,63 @@ def output_ids(batch_id: str) -> tuple[str, str]:
     return f"file-out-{suffix}", f"file-err-{suffix}"
 
 
+#: Files whose upload a crash cut short (PostgreSQL: rows still `uploading`) are removed
+#: after this long.
+STALE_UPLOAD_S: Final = 3600
+#: A janitor pass deletes at most this many expired files (the next pass takes the rest).
+JANITOR_BATCH: Final = 100
+
+
+class SchemaTooNew(RuntimeError):
+    """The store was migrated by a newer gateway than this one: refused, never written."""
+
+
+class BatchDb(Protocol):
+    """The store interface (SPEC §14): every statement the API and the runner use, synchronous,
+    called on the store's own thread through `Store.call`. Two implementations: `Database`
+    (SQLite, one host) and `pgstore.PgDatabase` (PostgreSQL, any number of replicas); the
+    same test-suite runs against both (tests/test_batch_store.py)."""
+
+    def close(self) -> None: ...
+    def add_file(self, row: FileRow, staged: Path) -> FileRow: ...
+    def get_file(self, file_id: str, owner: str | None) -> FileRow | None: ...
+    def list_files(
+        self, owner: str | None, purpose: str | None, after: str | None, limit: int, desc: bool
+    ) -> tuple[list[FileRow], bool]: ...
+    def delete_file(self, file_id: str, owner: str | None) -> bool: ...
+    def used_bytes(self, owner: str) -> int: ...
+    def export(self, file_id: str, dest: Path) -> Path: ...
+    def read_chunk(self, file_id: str, n: int) -> bytes | None: ...
+    def create_batch(self, row: BatchRow) -> BatchRow: ...
+    def batch(self, seq: int) -> BatchRow: ...
+    def get_batch(self, batch_id: str, owner: str | None) -> BatchRow | None: ...
+    def list_batches(
+        self, owner: str | None, after: str | None, limit: int
+    ) -> tuple[list[BatchRow], bool]: ...
+    def status_counts(self) -> dict[str, int]: ...
+    def unfinished(self) -> list[BatchRow]: ...
+    def set_status(
+        self, seq: int, status: str, when: int, only_from: Iterable[str]
+    ) -> BatchRow: ...
+    def cancel(self, seq: int, when: int) -> tuple[str, BatchRow]: ...
+    def claim_validation(self, seq: int) -> bool: ...
+    def reset_lines(self, seq: int) -> None: ...
+    def insert_lines(self, seq: int, rows: Sequence[tuple[int, str, bytes]]) -> None: ...
+    def begin(self, seq: int, total: int, model: str | None, when: int) -> BatchRow: ...
+    def fail(self, seq: int, errors: list[dict[str, Any]], when: int) -> BatchRow: ...
+    def exchange(
+        self, results: Sequence[LineResult], claims: Sequence[tuple[int, int]], per_batch: int
+    ) -> tuple[list[LineResult], dict[int, list[Claimed]], set[int]]: ...
+    def release(self, seq: int | None = None) -> None: ...
+    def heartbeat(self) -> int: ...
+    def finalize(self, seq: int, final: str, when: int, ttl_s: int) -> BatchRow | None: ...
+    def janitor(self, now: int) -> int: ...
+
+
 class Database:
-    """The connection and every statement, synchronous; runs on the store's thread only
-    (`Store` is its async face). Public for tests that drive the store step by step."""
+    """The SQLite store: the connection and every statement, synchronous; runs on the store's
+    thread only (`SqliteStore` is its async face). Public for tests that drive the store step
+    by step."""
 
     def __init__(self, path: str, files_dir: Path) -> None:
         self.files_dir = files_dir
@@ -295,9 +366,22 @@ class Database:
         c.execute("PRAGMA busy_timeout=5000")
         version = c.execute("PRAGMA user_version").fetchone()[0]
         if version > _SCHEMA_VERSION:
-            raise RuntimeError(f"batch store schema {version} is newer than this gateway's")
-        c.executescript(_SCHEMA)
-        c.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
+            raise SchemaTooNew(
+                f"The batch store's schema is version {version}, newer than this gateway's "
+                f"({_SCHEMA_VERSION}): it was used by a newer release. Run that release, or "
+                "point batch.store elsewhere."
+            )
+        if version == 0:
+            c.executescript(_SCHEMA)
+            version = 1
+        # Forward migrations, each with its version bump in one transaction.
+        while version < _SCHEMA_VERSION:
+            with self.tx():
+                for statement in _MIGRATIONS[version - 1].split(";"):
+                    if statement.strip():
+                        c.execute(statement)
+                version += 1
+                c.execute(f"PRAGMA user_version={version}")
         # The process that leased these lines is gone: they run again (at most once each).
         with self.tx():
             c.execute("UPDATE lines SET state='pending' WHERE state='leased'")
@@ -319,14 +403,60 @@ class Database:
 
     # ---- files -----------------------------------------------------------------------------
 
-    def add_file(self, row: FileRow) -> FileRow:
-        with self.tx() as c:
-            cur = c.execute(
-                "INSERT INTO files (id, owner, purpose, filename, bytes, created_at) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (row.id, row.owner, row.purpose, row.filename, row.bytes, row.created_at),
-            )
+    def add_file(self, row: FileRow, staged: Path) -> FileRow:
+        """Moves the fsynced upload `staged` to the store and records it."""
+        dest = self.files_dir / row.id
+        os.replace(staged, dest)
+        fsync_dir(self.files_dir)
+        try:
+            with self.tx() as c:
+                cur = c.execute(
+                    "INSERT INTO files (id, owner, purpose, filename, bytes, created_at, "
+                    "expires_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    _file_tail(row),
+                )
+        except BaseException:
+            dest.unlink(missing_ok=True)
+            raise
         return FileRow(cur.lastrowid or 0, *_file_tail(row))
+
+    def used_bytes(self, owner: str) -> int:
+        """SPEC §14 quota: the bytes of every file `owner` keeps (outputs included)."""
+        row = self.conn.execute("SELECT COALESCE(SUM(bytes), 0) FROM files WHERE owner=?", (owner,))
+        n: int = row.fetchone()[0]
+        return n
+
+    def export(self, file_id: str, dest: Path) -> Path:
+        """A local path to read the file's bytes from: here, the file itself."""
+        return self.files_dir / file_id
+
+    def read_chunk(self, file_id: str, n: int) -> bytes | None:
+        raise NotImplementedError("SQLite files are served from disk (files_dir)")
+
+    def janitor(self, now: int) -> int:
+        """SPEC §14 expiry: deletes up to `JANITOR_BATCH` files past their `expires_at`
+        (never the input of a batch still running); returns how many."""
+        marks = ", ".join("?" * len(ACTIVE))
+        rows = self.conn.execute(
+            "SELECT seq, id FROM files WHERE expires_at IS NOT NULL AND expires_at <= ? AND id "
+            f"NOT IN (SELECT input_file_id FROM batches WHERE status IN ({marks})) LIMIT ?",
+            (now, *sorted(ACTIVE), JANITOR_BATCH),
+        ).fetchall()
+        if not rows:
+            return 0
+        with self.tx() as c:
+            c.executemany("DELETE FROM files WHERE seq=?", [(seq,) for seq, _ in rows])
+        for _, file_id in rows:
+            with contextlib.suppress(FileNotFoundError):
+                (self.files_dir / file_id).unlink()
+        return len(rows)
+
+    def heartbeat(self) -> int:
+        """One process owns a SQLite store (its `flock`): no peer to take over from."""
+        return 0
+
+    def claim_validation(self, seq: int) -> bool:
+        return True
 
     def get_file(self, file_id: str, owner: str | None) -> FileRow | None:
         sql = f"SELECT {_FILE_COLUMNS} FROM files WHERE id=?"
@@ -483,18 +613,22 @@ class Database:
     # ---- execution -------------------------------------------------------------------------
 
     def exchange(
-        self, results: Sequence[LineResult], claims: Sequence[tuple[int, int]]
-    ) -> tuple[list[LineResult], dict[int, list[Claimed]]]:
+        self, results: Sequence[LineResult], claims: Sequence[tuple[int, int]], per_batch: int
+    ) -> tuple[list[LineResult], dict[int, list[Claimed]], set[int]]:
         """One group commit: applies `results` (fenced by attempt; at most one per custom_id)
         and their batches' counters, then leases up to n pending lines for each `(seq, n)`.
-        Returns the results applied and the lines leased."""
+        Returns the results applied, the lines leased and the batches with no pending line
+        left. (`per_batch` caps a batch's leases across replicas; one process here.)"""
         claimed: dict[int, list[Claimed]] = {}
+        exhausted: set[int] = set()
         with self.tx() as c:
             applied = self._apply(c, results)
             self._count(c, applied)
             for seq, n in claims:
                 claimed[seq] = self._claim(c, seq, n)
-        return applied, claimed
+                if len(claimed[seq]) < n:
+                    exhausted.add(seq)
+        return applied, claimed, exhausted
 
     _DONE: Final = (
         "UPDATE lines SET state='done' "
@@ -570,19 +704,32 @@ class Database:
         ).fetchall()
         return sorted((Claimed(*r) for r in rows), key=lambda x: x.line_no)
 
-    def release(self) -> None:
-        """Graceful stop: the lines this process leased but did not finish run again later."""
+    def release(self, seq: int | None = None) -> None:
+        """The lines this process leased but will not finish (all at a graceful stop, or one
+        batch's at a cancel) go back to pending."""
         with self.tx() as c:
-            c.execute("UPDATE lines SET state='pending' WHERE state='leased'")
+            if seq is None:
+                c.execute("UPDATE lines SET state='pending' WHERE state='leased'")
+            else:
+                c.execute(
+                    "UPDATE lines SET state='pending' WHERE batch_seq=? AND state='leased'", (seq,)
+                )
 
     # ---- finalize --------------------------------------------------------------------------
 
-    def finalize(self, seq: int, final: str, when: int) -> BatchRow:
-        """Writes the output and error files and ends the batch in `final` (completed,
-        cancelled or expired). Idempotent: a finished batch is returned as it is."""
+    def finalize(self, seq: int, final: str, when: int, ttl_s: int) -> BatchRow | None:
+        """Writes the output and error files (kept `ttl_s` seconds, unless the batch named its
+        own) and ends the batch in `final` (completed, cancelled or expired). Idempotent: a
+        finished batch is returned as it is. None: not yet (a line is still leased)."""
         b = self.batch(seq)
         if b.status in TERMINAL:
             return b
+        busy = "state != 'done'" if final == "completed" else "state = 'leased'"
+        if self.conn.execute(
+            f"SELECT 1 FROM lines WHERE batch_seq=? AND {busy} LIMIT 1", (seq,)
+        ).fetchone():
+            return None
+        expires = when + (b.output_ttl or ttl_s)
         if final == "completed" and b.status != "finalizing":
             b = self.set_status(seq, "finalizing", when, ("in_progress",))
         out_id, err_id = output_ids(b.id)
@@ -593,10 +740,10 @@ class Database:
             for fid, n, kind in ((out_id, n_out, "output"), (err_id, n_err, "error")):
                 if n[0]:
                     name = f"{b.id}_{kind}.jsonl"
-                    files.append((fid, b.owner, "batch_output", name, n[1], when))
+                    files.append((fid, b.owner, "batch_output", name, n[1], when, expires))
             c.executemany(
-                "INSERT OR REPLACE INTO files (id, owner, purpose, filename, bytes, created_at) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO files (id, owner, purpose, filename, bytes, created_at, "
+                "expires_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 files,
             )
             c.execute(
@@ -675,7 +822,9 @@ def _owned(owner: str | None) -> tuple[list[str], list[Any]]:
 
 
 def _file_tail(row: FileRow) -> tuple[Any, ...]:
-    return (row.id, row.owner, row.purpose, row.filename, row.bytes, row.created_at)
+    return (
+        row.id, row.owner, row.purpose, row.filename, row.bytes, row.created_at, row.expires_at
+    )  # fmt: skip
 
 
 def _batch_values(row: BatchRow) -> tuple[Any, ...]:
@@ -683,21 +832,35 @@ def _batch_values(row: BatchRow) -> tuple[Any, ...]:
 
 
 class Store:
-    """The async face of `Database`: each call runs on the store's own thread."""
+    """The async face of a `BatchDb`: each call runs on the store's own thread, and a failure
+    of the disk or the database comes out as the client's error (`faults.classify`: 507 or
+    503, never a 500)."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.files_dir = Path(path + ".files")
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-store")
-        self._db: Database | None = None
+    #: Several gateways share this store (PostgreSQL): the runner polls it for batches and
+    #: status changes made by its peers, and takes over the lines of a dead one.
+    shared: bool = False
+    #: `batch.store` as configured (a file path or a URL: never logged as it is).
+    path: str
+    #: Where uploads are staged before `add_file`.
+    staging_dir: Path
+    #: The file bytes live in this directory (SQLite), served with `sendfile`; else None and
+    #: they are read through `read_chunk`.
+    files_dir: Path | None = None
+
+    def __init__(self, workers: int = 1) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="batch-store")
+        self._db: BatchDb | None = None
 
     @property
-    def db(self) -> Database:
+    def db(self) -> BatchDb:
         assert self._db is not None, "store not open"
         return self._db
 
+    def _connect(self) -> BatchDb:
+        raise NotImplementedError
+
     async def open(self) -> None:
-        self._db = await self._run(Database, self.path, self.files_dir)
+        self._db = await self._run(self._connect)
 
     async def close(self) -> None:
         if self._db is not None:
@@ -711,11 +874,32 @@ class Store:
 
     async def call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Runs `fn` (a method of `self.db`) on the store's thread."""
-        return await self._run(fn, *args, **kwargs)
+        try:
+            return await self._run(fn, *args, **kwargs)
+        except Exception as exc:
+            mapped = classify(exc)
+            if mapped is None or mapped is exc:
+                raise
+            raise mapped from exc
 
     def call_sync(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """The same from another worker thread (the validator), blocking that thread only."""
         return self._executor.submit(fn, *args, **kwargs).result()
 
+
+class SqliteStore(Store):
+    """SQLite in WAL mode at `path`, file bytes in `<path>.files/` (one host)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+        self.files_dir = Path(path + ".files")
+        self.staging_dir = self.files_dir
+
+    def _connect(self) -> BatchDb:
+        assert self.files_dir is not None
+        return Database(self.path, self.files_dir)
+
     def file_path(self, file_id: str) -> Path:
+        assert self.files_dir is not None
         return self.files_dir / file_id

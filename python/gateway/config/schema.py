@@ -386,9 +386,10 @@ class Telemetry(_Section, frozen=True, kw_only=True):
 
 
 class Batch(_Section, frozen=True, kw_only=True):
-    """The Batch API (SPEC §14): where files and batch progress live (SQLite in WAL mode; file
-    bytes in the directory `<store>.files/` beside it), and its bounds. `store` is read once,
-    when the Batch API is first used: changing it needs a restart."""
+    """The Batch API (SPEC §14): where files and batch progress live (SQLite in WAL mode, file
+    bytes in the directory `<store>.files/` beside it; or a PostgreSQL URL shared by several
+    replicas), and its bounds. `store` is read once, when the Batch API is first used (at
+    start for PostgreSQL): changing it needs a restart."""
 
     store: str = "./gateway-batches.db"
     max_file_bytes: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)] = 209_715_200
@@ -396,6 +397,11 @@ class Batch(_Section, frozen=True, kw_only=True):
     # Lines of one batch queued or in flight at once (SPEC §14 "fed into the low queue
     # gradually").
     in_flight_per_batch: PositiveInt = 64
+    # SPEC §14 "Quotas and expiry": bytes of files one key may keep (uploads and outputs;
+    # 10 GiB), and how long output and error files are kept (seconds; 30 days) unless the
+    # batch named its own `output_expires_after`.
+    max_stored_bytes: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)] = 10 * 2**30
+    output_ttl: Annotated[int, msgspec.Meta(ge=3600, le=2**31 - 1)] = 30 * 86400
 
 
 def default_replica_id() -> str:

@@ -179,9 +179,18 @@ def _sections(parts: Parts) -> Iterator[ConfigError]:
 
 
 def _batch(store: str) -> Iterator[ConfigError]:
-    """SPEC §14 `batch.store`: a usable file path (the file is created on first use)."""
+    """SPEC §14 `batch.store`: a usable file path (the file is created on first use), or a
+    PostgreSQL URL ("Across hosts") — never a URL taken for a file name."""
     if not store.strip() or _has_bad_chars(store):
         yield ConfigError("batch.store", "must be a file path (non-empty, no control characters)")
+    elif store.startswith(("postgresql://", "postgres://")):
+        url = urlsplit(store)
+        if not url.hostname and "host=" not in url.query:
+            yield ConfigError("batch.store", "a PostgreSQL URL must name a host")
+    elif "://" in store:
+        yield ConfigError(
+            "batch.store", "must be a file path or a postgresql:// URL (no other database)"
+        )
     elif store.endswith(("/", os.sep)):
         yield ConfigError("batch.store", "must name a file, not a directory")
 
