@@ -19,6 +19,7 @@ import yaml
 from gateway import _core
 from gateway._core import Affinity, Balancer, Outcome, PoolConfig, Priority
 from gateway.affinity import affinity_placement, prefix_capacity_blocks, stable_id
+from gateway.backend_load import BackendLoad, parse_vllm_metrics
 from gateway.config import parse_config
 from gateway.config.schema import Affinity as AffinityConfig
 from gateway.errors import ConfigError
@@ -133,6 +134,7 @@ def blocks(body: dict[str, Any]) -> _core.Prefix:
 def test_the_longest_held_run_wins_and_the_index_is_bounded() -> None:
     pool = core(3)
     first = pool.submit(1, HIGH, 0, prefix=blocks(judge(1, 0)))
+    assert first is not None
     assert pool.last_affinity() is Affinity.HIT and pool.last_matched_blocks() == 0
     pool.release(1, Outcome.SUCCESS, 0)
     for ticket in range(2, 8):
@@ -345,9 +347,11 @@ async def test_cluster_replicas_agree_and_keep_problems_on_one_instance(
         c = yaml.safe_load(yaml.safe_dump(cfg))
         c["cluster"]["replica_id"] = name
         replicas.append(await gateway_factory(c))
-    for gw in replicas:
-        for k in range(3):
-            await until(lambda gw=gw, k=k: _leased(gw, f"m{k}"), 5, "leases")
+
+    async def leased_everywhere() -> bool:
+        return all([await _leased(gw, f"m{k}") for gw in replicas for k in range(3)])
+
+    await until(leased_everywhere, 5, "every replica leases every instance")
     headers = {"Authorization": "Bearer sk-open-000001"}
     homes: dict[int, set[str]] = defaultdict(set)
     for submission in range(4):
@@ -384,3 +388,35 @@ async def test_the_mock_caches_blocks_like_vllm(mocks: MockFactory) -> None:
     # six blocks at most: the second prompt's two new blocks evicted one of the first's, its
     # last (a sequence's blocks are freed tail first, as vLLM frees them): four remain
     assert mock.cached_chars(first) == 40
+
+
+def test_vllm_cache_config_sizes_the_index() -> None:
+    """SPEC §15: "bounded by that instance's cache size" — read from vLLM's cache config."""
+    body = (
+        b"# TYPE vllm:cache_config_info gauge\n"
+        b'vllm:cache_config_info{block_size="16",cache_dtype="auto",gpu_memory_utilization='
+        b'"0.9",num_gpu_blocks="31250",prefix_caching_hash_algo="builtin"} 1.0\n'
+        b"vllm:num_requests_waiting 2.0\n"
+    )
+    load = parse_vllm_metrics(body)
+    assert load is not None and load.kv_tokens == 500_000 and load.waiting == 2
+    # 500K tokens: 0.8 × 500,000 × 4 ÷ 64 = 25,000 blocks (the design's example)
+    assert prefix_capacity_blocks(AffinityConfig(), 4, load.kv_tokens) == 25_000
+    assert parse_vllm_metrics(b"vllm:num_requests_waiting 1\n") == BackendLoad(1, 0.0)
+
+
+async def test_a_vllm_instance_bounds_its_index_by_its_own_cache(
+    gateway_factory: GatewayFactory, mocks: MockFactory
+) -> None:
+    vllm = await mocks(prefix_cache=640, prefix_block_chars=48)  # 480 blocks of 16 tokens
+    other = await mocks()
+    cfg = simple_config(
+        pool_config(vllm, other, balancer="affinity"), health={"probe": {"interval_ms": 50}}
+    )
+    cfg["pools"]["p"]["instances"][0]["provider"] = "vllm"
+    gw = await gateway_factory(cfg, probes=True)
+    # 480 × 16 = 7,680 tokens: 0.8 × 7,680 × 4 ÷ 64 = 384 blocks; the other keeps the default
+    state = await gw.wait_state(
+        lambda st: st["pools"]["p"]["instances"][0]["prefix_index"]["capacity"] == 384
+    )
+    assert state["pools"]["p"]["instances"][1]["prefix_index"]["capacity"] == 6553

@@ -63,11 +63,12 @@ def _seed(hash_seed: int) -> int:
     return _hash64(b"blocks\0", str(hash_seed))
 
 
-def prefix_capacity_blocks(affinity: Affinity, instances: int) -> int:
+def prefix_capacity_blocks(affinity: Affinity, instances: int, kv_tokens: int | None = None) -> int:
     """SPEC §15 "bounded by that instance's cache size": the blocks the index remembers per
-    instance — `0.8 × cache_tokens × 4 bytes per token ÷ block_bytes`, and no more than
-    `index_mib` holds for all `instances`."""
-    by_cache = int(CACHE_SHARE * affinity.cache_tokens * BYTES_PER_TOKEN / affinity.block_bytes)
+    instance — `0.8 × kv_tokens × 4 bytes per token ÷ block_bytes` (`kv_tokens`: what vLLM
+    reports, else `cache_tokens`), and no more than `index_mib` holds for all `instances`."""
+    tokens = kv_tokens or affinity.cache_tokens
+    by_cache = int(CACHE_SHARE * tokens * BYTES_PER_TOKEN / affinity.block_bytes)
     by_memory = affinity.index_mib * 2**20 // (ENTRY_BYTES * max(1, instances))
     return max(2, min(by_cache, by_memory, 2**32 - 1))
 

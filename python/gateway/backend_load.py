@@ -10,6 +10,10 @@ Each probe interval the prober reads `GET /metrics` (from the instance's server 
 - `vllm:gpu_cache_usage_perc` (renamed `vllm:kv_cache_usage_perc` in newer vLLM; both are
   read) — KV-cache usage as a fraction in [0, 1] despite the name; the highest line.
 
+And, for prefix affinity, the size of its KV cache: `vllm:cache_config_info` (an info gauge
+whose labels are the engine's cache config) — `num_gpu_blocks × block_size` tokens, SPEC §15's
+"bounded by that instance's cache size".
+
 The balancers then compare `(in_flight + waiting) / max_concurrency`, equal values told apart by
 the lower cache usage (rust/core/src/balancer.rs); `affinity` counts `in_flight + waiting`
 against its bound. A failed or unparsable read clears the instance's backend load (a stale
@@ -36,6 +40,7 @@ METRICS_MAX_BYTES: Final = 1 << 20
 
 _WAITING: Final = b"vllm:num_requests_waiting"
 _CACHE: Final = (b"vllm:gpu_cache_usage_perc", b"vllm:kv_cache_usage_perc")
+_CACHE_CONFIG: Final = b"vllm:cache_config_info{"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +49,8 @@ class BackendLoad:
 
     waiting: int
     gpu_cache_usage: float
+    # The KV cache's size in tokens (`vllm:cache_config_info`); None when it does not say.
+    kv_tokens: int | None = None
 
 
 def _values(body: bytes, name: bytes) -> list[float]:
@@ -86,7 +93,35 @@ def parse_vllm_metrics(body: bytes) -> BackendLoad | None:
         return None
     total = int(sum(max(0.0, w) for w in waiting))
     usage = min(1.0, max(0.0, max(cache, default=0.0)))
-    return BackendLoad(min(total, 2**32 - 1), usage)
+    return BackendLoad(min(total, 2**32 - 1), usage, _kv_tokens(body))
+
+
+def _label(labels: bytes, name: bytes) -> int | None:
+    """The integer value of label `name` in a `{a="1",b="2"}` label set, if there."""
+    at = labels.find(b"," + name + b'="')
+    if at < 0 and labels.startswith(b"{" + name + b'="'):
+        at = 0
+    if at < 0:
+        return None
+    start = labels.find(b'"', at) + 1
+    end = labels.find(b'"', start)
+    try:
+        return int(labels[start:end])
+    except ValueError:
+        return None
+
+
+def _kv_tokens(body: bytes) -> int | None:
+    """`num_gpu_blocks × block_size` from `vllm:cache_config_info` (the first line)."""
+    at = body.find(_CACHE_CONFIG)
+    if at < 0 or (at and body[at - 1] != 0x0A):
+        return None
+    start = at + len(_CACHE_CONFIG) - 1
+    labels = body[start : body.find(b"}", start) + 1]
+    blocks, size = _label(labels, b"num_gpu_blocks"), _label(labels, b"block_size")
+    if not blocks or not size or blocks < 0 or size < 0:
+        return None
+    return min(blocks * size, 2**40)
 
 
 async def read(upstream: Upstream, timeout_s: float) -> BackendLoad | None:

@@ -166,6 +166,7 @@ class Pool:
         #: SPEC §15: requests carry an affinity key here (`balancer: affinity`).
         self.balancer = spec.balancer or config.balancer
         self.affine = self.balancer == "affinity"
+        self._affinity = config.affinity
         # The core's instance i is _upstreams[i]; removed ones stay until their slot is reused.
         self._upstreams: list[Upstream] = []
         # Upstreams replaced in a reused slot, closed by `collect`.
@@ -251,6 +252,12 @@ class Pool:
             return
         self._backend[upstream] = load
         self._core.set_backend_load(index, load.waiting, load.gpu_cache_usage)
+        if load.kv_tokens and self.affine:
+            # SPEC §15: the index of what was sent there is "bounded by that instance's cache
+            # size" — its own, where vLLM says it (`vllm:cache_config_info`).
+            blocks = prefix_capacity_blocks(self._affinity, len(self._upstreams), load.kv_tokens)
+            if self._core.instance(index, now_ms()).prefix_capacity != blocks:
+                self._core.set_prefix_capacity(index, blocks)
 
     def can_take_now(self) -> bool:
         """Whether a request would be dispatched at once (a free slot, nobody waiting)."""
@@ -386,6 +393,7 @@ class Pool:
         self.spec = spec
         self.balancer = spec.balancer or config.balancer
         self.affine = self.balancer == "affinity"
+        self._affinity = config.affinity
         wanted = {inst.name: inst for inst in spec.instances}
         kept: set[str] = set()
         for idx, up in self.live_upstreams():

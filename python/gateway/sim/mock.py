@@ -588,6 +588,14 @@ class MockServer:
                 f"# TYPE vllm:{name} {kind}",
                 f"vllm:{name}{label} {float(value)}",
             ]
+        if b.prefix_cache and b.prefix_block_chars:
+            # vLLM's cache config: its KV cache in 16-token blocks (at 4 characters a token)
+            blocks = max(1, b.prefix_cache * b.prefix_block_chars // 64)
+            lines += [
+                "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig.",
+                "# TYPE vllm:cache_config_info gauge",
+                f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{blocks}"}} 1.0',
+            ]
         return ("\n".join(lines) + "\n").encode()
 
     def _count(self, call: _Call, resp: web.StreamResponse) -> web.StreamResponse:

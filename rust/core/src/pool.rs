@@ -609,6 +609,14 @@ impl Pool {
         Ok(Admit::Queued(class))
     }
 
+    /// A waiting ticket left without a grant: its blocks go (nothing to look up when no
+    /// waiting request carries any, the case of every pool but `affinity`).
+    fn forget_blocks(&mut self, ticket: Ticket) {
+        if !self.pending_blocks.is_empty() {
+            self.pending_blocks.remove(&ticket);
+        }
+    }
+
     /// Where the latest grant landed relative to its affinity key: after a `submit` that
     /// granted at once, that request's (queued grants carry theirs in their `Event`).
     pub fn last_affinity(&self) -> Affinity {
@@ -618,6 +626,14 @@ impl Pool {
     /// How many leading prompt blocks the latest grant's instance held (as `last_affinity`).
     pub fn last_matched_blocks(&self) -> u32 {
         self.last_matched
+    }
+
+    /// SPEC §15: an instance's own bound `C` (its backend reported its cache size); the next
+    /// reload's `prefix_capacity_blocks` replaces it.
+    pub fn set_prefix_capacity(&mut self, idx: usize, blocks: u32) -> Result<(), CoreError> {
+        self.instance_mut(idx)?;
+        self.prefixes.set_instance_capacity(idx, blocks as usize);
+        Ok(())
     }
 
     /// SPEC §15: the prompt blocks the index holds for an instance, its bound `C`, and how
@@ -638,7 +654,7 @@ impl Pool {
             Some(TicketState::Waiting(class, tenant)) => {
                 let (class, tenant) = (*class, *tenant);
                 self.tickets.remove(&ticket);
-                self.pending_blocks.remove(&ticket);
+                self.forget_blocks(ticket);
                 self.queues[class.index()].forget(tenant);
                 self.stats.cancelled += 1;
                 if self.shared.is_some() {
@@ -786,7 +802,7 @@ impl Pool {
                 .expire(now, max_wait, &|t| is_waiting(tickets, t, class));
             for t in expired {
                 self.tickets.remove(&t);
-                self.pending_blocks.remove(&t);
+                self.forget_blocks(t);
                 self.stats.expired += 1;
                 self.events.push(Event {
                     ticket: t,
@@ -843,8 +859,10 @@ impl Pool {
             }
             self.tickets.remove(&entry.ticket);
             self.grant(entry.ticket, (class, entry.tenant), inst, placed, now);
-            if let Some(blocks) = self.pending_blocks.remove(&entry.ticket) {
-                self.prefixes.record(inst, &blocks);
+            if !self.pending_blocks.is_empty() {
+                if let Some(blocks) = self.pending_blocks.remove(&entry.ticket) {
+                    self.prefixes.record(inst, &blocks);
+                }
             }
             self.events.push(Event {
                 ticket: entry.ticket,
@@ -932,7 +950,7 @@ impl Pool {
             let wait = *retry_after_ms.get_or_insert_with(|| self.retry_after_unavailable(0, now));
             for t in gone {
                 self.tickets.remove(&t);
-                self.pending_blocks.remove(&t);
+                self.forget_blocks(t);
                 self.stats.unservable += 1;
                 self.events.push(Event {
                     ticket: t,

@@ -378,10 +378,11 @@ pub fn place(
     // The ring key: the first block no instance holds (a new prefix: its first block), so
     // distinct continuations of a shared head (problems under one system prompt) spread.
     let key = blocks[(longest as usize).min(m - 1)];
-    let mut order = [(0u32, 0u8); 64];
+    // (matched blocks, tie rank, instance), in the ring's order from `key`.
+    let mut order = [(0u32, 0u8, 0u8); 64];
     let mut n = 0;
     for i in ring.successors(key) {
-        order[n] = (lens[i], i as u8);
+        order[n] = (lens[i], 0, i as u8);
         n += 1;
     }
     let order = &mut order[..n];
@@ -399,9 +400,26 @@ pub fn place(
         for e in order.iter_mut() {
             e.0 = e.0.min(home);
         }
+    } else if longest > 0 {
+        // Ties among the instances holding the run: while some instance lacks it, in the
+        // ring's order from its last block — the same order for every request of a problem,
+        // so after a spill its requests go back to its first holder and the copy the spill
+        // made ages out, instead of the problem taking cache room on every instance it ever
+        // spilled to. Once every instance holds it (a system prompt), the order from the new
+        // part spreads the requests over all of them.
+        let holders = order.iter().filter(|e| e.0 == longest).count();
+        if holders < n {
+            let mut rank = [0u8; 64];
+            for (r, i) in ring.successors(blocks[longest as usize - 1]).enumerate() {
+                rank[i] = r as u8;
+            }
+            for e in order.iter_mut().filter(|e| e.0 > 0) {
+                e.1 = rank[usize::from(e.2)];
+            }
+        }
     }
-    // Longest run first; ties keep the ring order (a stable sort).
-    order.sort_by_key(|e| std::cmp::Reverse(e.0));
+    // Longest run first; ties by their rank, else the ring order (a stable sort).
+    order.sort_by_key(|e| (std::cmp::Reverse(e.0), e.1));
     let mut fallback: Option<(usize, u64, u32)> = None;
     let label = |rank: usize| {
         if rank == 0 {
@@ -410,7 +428,7 @@ pub fn place(
             Affinity::Spill
         }
     };
-    for (rank, &(_, i)) in order.iter().enumerate() {
+    for (rank, &(_, _, i)) in order.iter().enumerate() {
         let i = usize::from(i);
         if !candidate(i) {
             continue;
@@ -603,6 +621,33 @@ mod tests {
             place(&ring, &p, &cold, 0, false, 5, |_| true, |_| 0),
             Some((first, Affinity::Hit, 0))
         );
+    }
+
+    #[test]
+    fn holders_of_a_run_tie_in_the_order_of_its_last_block() {
+        let ring = HashRing::new([(0, 11), (1, 22), (2, 33), (3, 44)]);
+        let held: Vec<_> = ring.successors(20).collect();
+        let mut lens = [0; 64];
+        lens[held[1]] = 20;
+        lens[held[2]] = 20;
+        // whatever follows the run, its holders rank in the ring's order from block 20
+        for tail in 100..140u64 {
+            let tail = tail.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            let p: Vec<u64> = (1..=20).chain([tail, tail ^ 1]).collect();
+            let got = place(&ring, &p, &lens, 20, false, 5, |_| true, |_| 0);
+            assert_eq!(got, Some((held[1], Affinity::Hit, 20)));
+        }
+        // held everywhere: the new part decides, so requests spread
+        let all = [20; 64];
+        let homes: std::collections::HashSet<_> = (100..140u64)
+            .filter_map(|tail| {
+                let p: Vec<u64> = (1..=20)
+                    .chain([tail.wrapping_mul(0x9e37_79b9_7f4a_7c15)])
+                    .collect();
+                place(&ring, &p, &all, 20, false, 5, |_| true, |_| 0).map(|g| g.0)
+            })
+            .collect();
+        assert!(homes.len() >= 3, "{homes:?}");
     }
 
     #[test]

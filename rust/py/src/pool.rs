@@ -328,6 +328,12 @@ impl Pool {
         Ok(self.inner.set_backend_load(index, waiting, permille)?)
     }
 
+    /// SPEC §15: the prompt blocks the affinity index remembers for one instance (its own
+    /// cache size, as its backend reports it); a `configure` resets every instance's.
+    fn set_prefix_capacity(&mut self, index: usize, blocks: u32) -> Result<(), CoreErr> {
+        Ok(self.inner.set_prefix_capacity(index, blocks)?)
+    }
+
     fn set_max_concurrency(&mut self, index: usize, max_concurrency: u32) -> Result<(), CoreErr> {
         Ok(self.inner.set_max_concurrency(index, max_concurrency)?)
     }
