@@ -71,6 +71,12 @@ class BatchService:
     async def start(self) -> None:
         """Resumes the unfinished batches of an existing store (a PostgreSQL store is always
         opened: this replica runs lines and takes over a dead peer's)."""
+        if self.gw.runtime.config.cluster is not None and not is_postgres(self.path):
+            # SPEC §14: "`cluster:` with a SQLite store serves batches per host and says so".
+            log.warning(
+                "batch.store is a SQLite file: each replica serves its own batches "
+                "(a postgresql:// store shares them)"
+            )
         if is_postgres(self.path) or await asyncio.to_thread(os.path.exists, self.path):
             try:
                 await self.open()
