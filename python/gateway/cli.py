@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=resolve_workers,
         default=1,
-        help="worker processes sharing one scheduling state (SPEC §12): N or auto",
+        help="worker processes sharing one scheduling state: N or auto (one per CPU, at most 8)",
     )
     # Given by the supervisor to each worker, so `ps` says what the process is ("serve
     # --worker 1/4": slot 1 of 4); the worker learns its place from its environment.

@@ -40,8 +40,13 @@ class Runtime:
         notes = []
         if config.listen != self.config.listen:
             notes.append("listen address changes need a restart")
-        if config.limits != self.config.limits:
-            notes.append("limits apply to new connections only")
+        old = self.config.limits
+        if (config.limits.header_timeout_ms, config.limits.keepalive_timeout_ms) != (
+            old.header_timeout_ms,
+            old.keepalive_timeout_ms,
+        ):
+            # The HTTP server's protocol factory takes these once, at start.
+            notes.append("limits.header_timeout_ms and keepalive_timeout_ms need a restart")
         self.config = config
         pools: dict[str, Pool] = {}
         for name, spec in config.pools.items():

@@ -2,7 +2,7 @@
 //! atomics that every worker maps (a sealed memfd the supervisor creates; mapping it is the
 //! binding's business: this module sees only `&[AtomicU64]` and does no I/O).
 //!
-//! Rules of the region (../shared/design/workers.md §1): no pointers, no locks, no `Drop`,
+//! Rules of the region: no pointers, no locks, no `Drop`,
 //! all-zero is a valid state, integers only (no `bool` or enum bit patterns are ever read back
 //! as such), a header with magic, layout version and an ABI hash checked at attach. Every
 //! update is one CAS (or one `fetch_*`) on one word, so a worker killed at any instruction
