@@ -19,13 +19,14 @@ import pwd
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from redis_fixture import free_port
 
-__all__ = ["PG_BIN", "PostgresServer", "require_postgres"]
+__all__ = ["PG_BIN", "PostgresServer", "pg_server", "require_postgres"]
 
 
 def _bin_dir() -> Path | None:
@@ -109,3 +110,14 @@ class PostgresServer:
         with contextlib.suppress(subprocess.SubprocessError, OSError):
             self.stop("immediate")
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PostgresServer]:
+    """The session's PostgreSQL (import this fixture into a test module to use it)."""
+    server = PostgresServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()

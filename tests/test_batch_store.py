@@ -16,21 +16,12 @@ import pytest
 
 from gateway.batch.records import Usage
 from gateway.batch.store import BatchDb, BatchRow, Database, FileRow, LineResult, SchemaTooNew
-from postgres_fixture import PostgresServer
+from postgres_fixture import PostgresServer, pg_server
 
 CHAT: Final = "/v1/chat/completions"
+__all__ = ["pg_server"]  # the session's PostgreSQL, used as a fixture here
 
 Opener = Callable[[], BatchDb]
-
-
-@pytest.fixture(scope="session")
-def pg_server() -> Iterator[PostgresServer]:
-    server = PostgresServer()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -210,7 +201,10 @@ def test_the_claim_is_bounded_over_replicas(pg: Callable[[], Any]) -> None:
     seq = _batch(a, lines=10)
     _, got_a, _ = a.exchange([], [(seq, 4)], 6)
     _, got_b, _ = b.exchange([], [(seq, 4)], 6)
-    assert len(got_a[seq]) == 4 and len(got_b[seq]) == 2  # 6 at most, whoever holds them
+    # each replica leases its share (6 / 2 replicas), the batch 6 at most over all of them
+    assert len(got_a[seq]) == 3 and len(got_b[seq]) == 3
+    _, got_c, _ = pg().exchange([], [(seq, 4)], 6)
+    assert got_c[seq] == []
     assert not {c.line_no for c in got_a[seq]} & {c.line_no for c in got_b[seq]}
 
 

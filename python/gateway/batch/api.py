@@ -36,6 +36,7 @@ from typing import IO, TYPE_CHECKING, Any, Final
 import msgspec
 import orjson
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.batch import owners
 from gateway.batch.faults import QuotaExceeded, classify
@@ -469,7 +470,13 @@ class _Upload:
         that is not valid multipart is the client's error (400), never a 500."""
         try:
             return await self._read(request)
-        except (ValueError, AssertionError, LookupError, UnicodeError) as exc:
+        except (
+            ValueError,
+            AssertionError,
+            LookupError,
+            UnicodeError,
+            HttpProcessingError,  # a part's header aiohttp refuses (a control character)
+        ) as exc:
             raise InvalidRequest(
                 "The body is not valid multipart/form-data (a boundary in Content-Type, then "
                 "the fields 'file' and 'purpose')."

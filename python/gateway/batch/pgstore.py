@@ -641,8 +641,12 @@ class PgDatabase:
                 )
             applied = self._apply(c, results, me)
             self._count(c, applied)
+            replicas = max(1, int(_scalar(c.execute("SELECT COUNT(*) FROM replicas"))))
+            # A replica's part of a batch's bound: the one committing results would otherwise
+            # lease the freed slots again in the same transaction, and keep them all.
+            mine = -(-per_batch // replicas)
             for seq, n in sorted(claims):
-                claimed[seq], empty = self._claim(c, seq, n, per_batch, me)
+                claimed[seq], empty = self._claim(c, seq, n, per_batch, mine, me)
                 if empty:
                     exhausted.add(seq)
         return applied, claimed, exhausted
@@ -707,17 +711,21 @@ class PgDatabase:
 
     @staticmethod
     def _claim(
-        c: psycopg.Connection[Any], seq: int, n: int, per_batch: int, me: str
+        c: psycopg.Connection[Any], seq: int, n: int, per_batch: int, share: int, me: str
     ) -> tuple[list[Claimed], bool]:
-        """Up to n pending lines, within the batch's cap over every replica; (lines, no
-        pending line left)."""
+        """Up to n pending lines, within the batch's cap over every replica and this
+        replica's share of it; (lines, no pending line left)."""
         status = c.execute("SELECT status FROM batches WHERE seq=%s", (seq,)).fetchone()
         if status is None or status[0] != "in_progress":
             return [], False
-        held = _scalar(
-            c.execute("SELECT COUNT(*) FROM lines WHERE batch_seq=%s AND state='leased'", (seq,))
+        held, own = _one(
+            c.execute(
+                "SELECT COUNT(*), COUNT(*) FILTER (WHERE holder=%s) FROM lines "
+                "WHERE batch_seq=%s AND state='leased'",
+                (me, seq),
+            )
         )
-        k = min(n, per_batch - int(held))
+        k = min(n, per_batch - int(held), share - int(own))
         if k <= 0:
             return [], False
         rows = c.execute(
