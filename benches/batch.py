@@ -23,7 +23,14 @@ batch; this process's CPU time (`time.process_time`, all threads) per request/li
 compared. The difference is validation, the upload, the store's thread and group commits,
 leasing, the pump, output records and finalization, per line.
 
-    .venv/bin/python benches/batch.py [--lines 10000] [--rounds 2]
+A third part compares the stores (SPEC §14 "Across hosts"): the same batch against SQLite,
+then PostgreSQL (a throwaway cluster made with `initdb`, as the tests make it: fsync off, so
+it measures the gateway and the queries, not a disk) with one gateway replica, then two
+replicas on the one database (the batch created through the first; both run its lines). It
+reports lines/s while `in_progress`, the CPU per line of the gateway processes together, and
+of the PostgreSQL server's processes.
+
+    .venv/bin/python benches/batch.py [--lines 10000] [--rounds 2] [--store-lines 10000]
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import argparse
 import asyncio
 import os
 import shutil
+import sys
 import tempfile
 import textwrap
 import time
@@ -181,10 +189,97 @@ async def in_process(cfg: dict[str, Any], n: int, count: int) -> None:
         await server.shutdown(drain=False)
 
 
+def postgres_cpu_seconds() -> float:
+    """CPU time (user + system) of every `postgres` process (the bench's server: the machine
+    runs no other)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        if fields[0].endswith("(postgres"):
+            parts = fields[1].split()
+            total += int(parts[11]) + int(parts[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+async def store_run(bases: list[str], pids: list[int], n: int) -> tuple[float, float, float]:
+    """(lines/s, gateway CPU-us/line over every replica, PostgreSQL CPU-us/line)."""
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await over_http(session, bases[0], 200, pids[0])  # warm up
+        cpu0 = sum(cpu_seconds(p) for p in pids)
+        pg0 = postgres_cpu_seconds()
+        run = await as_batch(session, bases[0], n, pids[0])
+        cpu = sum(cpu_seconds(p) for p in pids) - cpu0
+        pg = postgres_cpu_seconds() - pg0
+    return run.lines_per_s, cpu * 1e6 / n, pg * 1e6 / n
+
+
+def compare_stores(tmp: Path, mock_port: int, n: int) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from postgres_fixture import PostgresServer
+
+    print(f"\nstores: one batch of {n} lines")
+    print("  store       replicas   lines/s   gateway CPU-us/line   PostgreSQL CPU-us/line")
+    pg = PostgresServer()
+    pg.start()
+    try:
+        for store, replicas in (("sqlite", 1), ("postgresql", 1), ("postgresql", 2)):
+            url = str(tmp / f"{store}.db") if store == "sqlite" else pg.new_database()
+            ports = [free_port() for _ in range(replicas)]
+            procs = Processes()
+            try:
+                gws = []
+                for i, port in enumerate(ports):
+                    cfg = tmp / f"{store}-{i}.yaml"
+                    cfg.write_text(
+                        textwrap.dedent(f"""\
+                        listen: {{host: 127.0.0.1, port: {port}}}
+                        health: {{probe: {{enabled: false}}}}
+                        shutdown: {{drain_delay_ms: 0}}
+                        pools:
+                          p:
+                            instances:
+                              - {{name: a, url: "http://127.0.0.1:{mock_port}/v1", model: up,
+                                  max_concurrency: 1000}}
+                        models:
+                          m: {{pool: p}}
+                        batch: {{store: "{url}", in_flight_per_batch: {IN_FLIGHT}}}
+                        """)
+                    )
+                    gws.append(
+                        procs.spawn(
+                            "0",
+                            PY,
+                            "-m",
+                            "gateway.cli",
+                            "serve",
+                            "--config",
+                            str(cfg),
+                            "--no-access-log",
+                        )
+                    )
+                for port in ports:
+                    wait_port(port)
+                bases = [f"http://127.0.0.1:{port}" for port in ports]
+                rate, cpu, pg_cpu = asyncio.run(store_run(bases, [g.pid for g in gws], n))
+                pg_text = f"{pg_cpu:10.1f}" if store != "sqlite" else "         -"
+                print(f"  {store:11} {replicas:8}   {rate:7.0f}   {cpu:19.1f}   {pg_text}",
+                      flush=True)  # fmt: skip
+            finally:
+                procs.stop_all()
+    finally:
+        pg.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lines", type=int, default=10_000)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--store-lines", type=int, default=10_000)
+    ap.add_argument("--stores-only", action="store_true", help="only the store comparison")
     args = ap.parse_args()
     pin = shutil.which("taskset") is not None
     mock_port, gw_port = free_port(), free_port()
@@ -209,6 +304,11 @@ def main() -> int:
     try:
         spawn("1", PY, "-m", "gateway.cli", "mock", "--port", str(mock_port))
         wait_port(mock_port)
+        if pin:
+            os.sched_setaffinity(0, {1})
+        if args.stores_only:
+            compare_stores(tmp, mock_port, args.store_lines)
+            return 0
         gw = spawn("0", PY, "-m", "gateway.cli", "serve", "--config", str(cfg), "--no-access-log")
         wait_port(gw_port)
         if pin:
@@ -221,6 +321,7 @@ def main() -> int:
         cfg_in["batch"]["store"] = str(tmp / "in-process.db")
         print("\nin process: Gateway.call (the seam) vs the batch, this process's CPU")
         uvloop.run(in_process(cfg_in, args.lines, args.rounds))
+        compare_stores(tmp, mock_port, args.store_lines)
     finally:
         procs.stop_all()
         shutil.rmtree(tmp, ignore_errors=True)

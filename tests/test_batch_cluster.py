@@ -360,3 +360,34 @@ async def test_sixty_batches_of_one_key_leave_another_keys_low_requests_their_wa
     # served within their class's wait, as without the batches
     assert beside_max < 1500
     await gw.assert_quiet()
+
+
+# ---- traces ------------------------------------------------------------------------------------
+
+
+async def test_batch_lines_are_traced(
+    mocks: MockFactory, gateway_factory: GatewayFactory, tmp_path: Path, client: Clients
+) -> None:
+    """Each line has its own trace, like the request it stands for: a SERVER span for the
+    operation, with its queue and attempt spans."""
+    from otlp_receiver import OtlpReceiver
+
+    m = await mocks(latency_ms=1)
+    with OtlpReceiver() as otlp:
+        cfg = config(pool_config(m), tmp_path / "b.db")
+        cfg["telemetry"] = {"otlp_endpoint": otlp.url}
+        gw = await gateway_factory(cfg)
+        c = client(gw)
+        b = await submit(c, jsonl(line(f"t{i}") for i in range(3)))
+        assert (await wait_batch(c, b.id)).status == "completed"
+        tracing = gw.gateway.tracing
+        assert tracing is not None
+        await asyncio.to_thread(tracing.force_flush)
+        spans = await otlp.wait_for(9)
+        servers = [s for s in spans if s.kind == "SERVER"]
+        assert len(servers) == 3 and len({s.trace_id for s in servers}) == 3
+        assert all(s.attributes["http.route"] == CHAT for s in servers)
+        for s in servers:
+            children = {x.name for x in spans if x.parent_span_id == s.span_id}
+            assert children == {"queue", "attempt"}, children
+        await gw.assert_quiet()

@@ -410,6 +410,9 @@ class Gateway:
         ex = Exchange(request_id, time.monotonic(), Watchdog(loop, task), source="batch")
         if seen is not None:  # SPEC §14 prompt cancel: the runner sees whether it was sent
             seen.append(ex)
+        if self.tracing is not None:  # a batch line is traced like the request it stands for
+            ex.span = self.tracing.request({}, "/v1" + endpoint.path)
+            ex.trace_id = ex.span.trace_id
         ex.key_name = tenant.name if tenant.index else None
         resp: web.StreamResponse
         try:
