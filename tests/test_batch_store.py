@@ -244,3 +244,24 @@ def test_validation_is_claimed_by_one_replica(pg: Callable[[], Any]) -> None:
     a._life.close()
     b.heartbeat()  # a is gone: its validation is released
     assert b.claim_validation(row.seq)
+
+
+def test_the_store_setting_is_a_path_or_a_postgresql_url() -> None:
+    """SPEC §14: a PostgreSQL URL is a store, never a file name; another URL is refused."""
+    from gateway.config import parse_config
+    from gateway.errors import ConfigError
+
+    def store(value: str) -> str:
+        doc = (
+            "pools: {p: {instances: [{name: a, url: 'http://127.0.0.1:9/v1', model: x, "
+            "max_concurrency: 4}]}}\n"
+            f"models: {{m: {{pool: p}}}}\nbatch: {{store: '{value}'}}\n"
+        )
+        return parse_config(doc, env={}).batch.store
+
+    assert store("postgresql://gw:pw@db.internal:5432/gateway").startswith("postgresql://")
+    assert store("./b.db") == "./b.db"
+    with pytest.raises(ConfigError, match="postgresql:// URL"):
+        store("mysql://db/gateway")
+    with pytest.raises(ConfigError, match="must name a host"):
+        store("postgresql:///gateway")
