@@ -391,3 +391,39 @@ async def test_batch_lines_are_traced(
             children = {x.name for x in spans if x.parent_span_id == s.span_id}
             assert children == {"queue", "attempt"}, children
         await gw.assert_quiet()
+
+
+async def test_a_cancel_through_one_replica_stops_the_lines_of_both(
+    mocks: MockFactory,
+    gateway_factory: GatewayFactory,
+    pg_server: PostgresServer,
+    tmp_path: Path,
+    client: Clients,
+) -> None:
+    """Two replicas (in this process) on one PostgreSQL, both running a batch's lines; a
+    cancel through the second reaches the first through the store (read every 0.5 s): the
+    batch is `cancelled` within 1 s plus the in-flight lines' time plus that poll."""
+    m = await mocks(latency_ms=300, log_size=1000)
+    cfg = config(pool_config((m, 4)), tmp_path / "unused")
+    cfg["batch"]["store"] = pg_server.new_database()
+    ga = await gateway_factory(cfg)
+    gb = await gateway_factory(cfg)
+    a, b = client(ga), client(gb)
+    batch = await submit(a, jsonl(line(f"x{i}") for i in range(200)))
+
+    async def both_queued() -> bool:
+        sa, sb = await asyncio.gather(ga.state(), gb.state())
+        return bool(sa["pools"]["p"]["queued"]["low"] and sb["pools"]["p"]["queued"]["low"])
+
+    await eventually(both_queued, 10, "both replicas queueing lines")
+    t0 = time.monotonic()
+    await b.batches.cancel(batch.id)
+    done = await wait_batch(a, batch.id, within=10)
+    took = time.monotonic() - t0
+    assert done.status == "cancelled" and took < 1.0 + 2 * 0.3 + 0.5, took
+    out = await records(b, done.output_file_id)
+    err = await records(a, done.error_file_id)
+    assert sorted(r["custom_id"] for r in out + err) == sorted(f"x{i}" for i in range(200))
+    print(f"\ncancel across replicas: cancelled {took * 1000:.0f} ms after the call")
+    await ga.assert_quiet()
+    await gb.assert_quiet()
