@@ -560,8 +560,10 @@ impl Pool {
                 self.commit_choice(choice, priority, false, now);
                 self.grant(ticket, (priority, tenant), inst, placed, now);
                 self.last_matched = matched;
-                // SPEC §15: "remembers, per instance ..., which blocks it sent there".
-                self.prefixes.record(inst, blocks);
+                if !blocks.is_empty() {
+                    // SPEC §15: "remembers, per instance ..., which blocks it sent there".
+                    self.prefixes.record(inst, blocks);
+                }
                 return Ok(Admit::Granted(inst));
             }
         }
