@@ -427,3 +427,58 @@ async def test_a_cancel_through_one_replica_stops_the_lines_of_both(
     print(f"\ncancel across replicas: cancelled {took * 1000:.0f} ms after the call")
     await ga.assert_quiet()
     await gb.assert_quiet()
+
+
+async def test_a_validation_that_keeps_failing_ends_failed_with_the_reason(
+    mocks: MockFactory,
+    gateway_factory: GatewayFactory,
+    tmp_path: Path,
+    client: Clients,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SPEC §14: never stuck in `validating`: the store refusing the lines (a full disk,
+    injected here at the store's statement) is retried with back-off, then the batch ends
+    `failed` with the reason in `errors`; once the store takes writes again, new work
+    succeeds."""
+    import sqlite3
+
+    from gateway.batch import runner as batch_runner
+    from gateway.batch.store import Database
+
+    monkeypatch.setattr(batch_runner, "RETRY_BASE_S", 0.02)
+    monkeypatch.setattr(batch_runner, "RETRY_MAX_S", 0.05)
+    m = await mocks(latency_ms=1)
+    gw = await gateway_factory(config(pool_config(m), tmp_path / "b.db"))
+    c = client(gw)
+    real_insert = Database.insert_lines
+    full = True
+
+    def insert_lines(self: Database, *args: Any) -> None:
+        if full:
+            raise sqlite3.OperationalError("database or disk is full")
+        real_insert(self, *args)
+
+    monkeypatch.setattr(Database, "insert_lines", insert_lines)
+    b = await submit(c, jsonl(line(f"f{i}") for i in range(5)))
+    got = await wait_batch(c, b.id, within=10)
+    assert got.status == "failed" and got.errors and got.errors.data
+    assert got.errors.data[0].code == "store_error"
+    assert "out of space" in (got.errors.data[0].message or "")
+    full = False
+    again = await submit(c, jsonl(line(f"g{i}") for i in range(3)))
+    assert (await wait_batch(c, again.id)).status == "completed"
+    await gw.assert_quiet()
+
+
+def test_store_failures_are_the_clients_507_or_503() -> None:
+    import errno
+    import sqlite3
+
+    from gateway.batch.faults import StoreDown, StoreFull, classify
+
+    assert isinstance(classify(OSError(errno.ENOSPC, "x")), StoreFull)
+    assert isinstance(classify(OSError(errno.EROFS, "x")), StoreDown)
+    assert isinstance(classify(sqlite3.OperationalError("database or disk is full")), StoreFull)
+    down = classify(sqlite3.OperationalError("attempt to write a readonly database"))
+    assert isinstance(down, StoreDown) and down.retry_after_ms
+    assert classify(ValueError("a bug")) is None  # a bug stays a bug (500, logged)
