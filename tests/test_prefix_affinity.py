@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import sys
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 import yaml
 
@@ -26,7 +28,7 @@ from gateway.errors import ConfigError
 from redis_fixture import REDIS_SERVER, RedisServer
 from support import GatewayFactory, MockFactory, chat, pool_config, simple_config
 from test_cluster import _cluster_config, _leased, until
-from test_workers import _instances, workers
+from test_workers import _free_port, _instances, _write, workers
 
 HIGH = Priority.HIGH
 INSTRUCTION = (
@@ -420,3 +422,47 @@ async def test_a_vllm_instance_bounds_its_index_by_its_own_cache(
         lambda st: st["pools"]["p"]["instances"][0]["prefix_index"]["capacity"] == 384
     )
     assert state["pools"]["p"]["instances"][1]["prefix_index"]["capacity"] == 6553
+
+
+@pytest.mark.timeout(60)
+async def test_the_access_log_shows_the_matched_length(tmp_path: Path, mocks: MockFactory) -> None:
+    backends = [await mocks(latency_ms=1.0) for _ in range(2)]
+    port = _free_port()
+    path = tmp_path / "gateway.yaml"
+    _write(path, port, _instances(*[(m, 8) for m in backends]), "balancer: affinity")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "--log-format",
+        "json",
+        "serve",
+        "--config",
+        str(path),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        async with aiohttp.ClientSession() as s:
+            for _ in range(200):
+                try:
+                    async with s.get(f"http://127.0.0.1:{port}/healthz") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.05)
+            for submission in range(2):
+                async with s.post(url, json=judge(4, submission)) as r:
+                    assert r.status == 200
+                    await r.read()
+    finally:
+        proc.terminate()
+        _, err = await asyncio.wait_for(proc.communicate(), 20)
+    lines = [orjson.loads(x) for x in err.splitlines() if x.startswith(b"{")]
+    access = [x for x in lines if "affinity_match" in x]
+    assert [(x["affinity"], x["affinity_match"] >= 1800) for x in access] == [
+        ("hit", False),
+        ("hit", True),
+    ], access
