@@ -670,6 +670,9 @@ class Runner:
     async def _refresh(self) -> None:
         """Peers' changes: new batches, cancels, batches finished elsewhere."""
         db = self.store.db
+        # Only runs known before the read can be missing from it because they finished (one
+        # created meanwhile through this replica is not in the rows yet).
+        before = set(self._runs)
         rows = await self.store.call(db.unfinished)
         if self.on_counts is not None:
             self.on_counts(await self.store.call(db.status_counts))
@@ -699,7 +702,7 @@ class Runner:
             if run.status == "in_progress" and not run.tasks:
                 run.exhausted = False  # lines a peer gave back are leased again
         for seq, run in list(self._runs.items()):
-            if seq not in seen and not (run.validating or run.finalizing):
+            if seq in before and seq not in seen and not (run.validating or run.finalizing):
                 run.halt.set()  # finished by a peer
                 for task in run.tasks.values():
                     task.cancel()
