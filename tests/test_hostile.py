@@ -626,9 +626,12 @@ async def test_an_encoded_upstream_key_never_reaches_the_client(
         pytest.param(0.002, False, 4, id="2ms"),
         pytest.param(0.002, True, 12, id="2ms-echo"),
         pytest.param(0.03, True, 12, id="30ms-echo"),  # past the rest: the echo check
+        # every client names its requests alike: the ids sent upstream still differ
+        pytest.param(0.03, True, 12, id="30ms-echo-same-client-ids"),
     ],
 )
 async def test_an_answer_sent_twice_never_reaches_another_tenant(
+    request: pytest.FixtureRequest,
     hostile: HostileFactory,
     gateway_factory: GatewayFactory,
     delay: float,
@@ -643,8 +646,11 @@ async def test_an_answer_sent_twice_never_reaches_another_tenant(
     server = await hostile(("duplicate", {"delay": delay, "echo": echo}))
     gw = await gateway_factory(hostile_config((server, 16)))
 
+    same_ids = "same-client-ids" in request.node.callspec.id
+    headers = {"X-Request-Id": "req-1"} if same_ids else None
+
     async def client(n: int) -> list[Answer]:
-        return [await _ask(gw, stream=i % 3 == 2) for i in range(n)]
+        return [await _ask(gw, stream=i % 3 == 2, headers=headers) for i in range(n)]
 
     batches = await asyncio.gather(*(client(12) for _ in range(clients)))
     answers = [ans for batch in batches for ans in batch]
@@ -682,8 +688,7 @@ async def test_unfinished_uploads_are_counted_while_they_are_read(
         try:
             writer.write(
                 b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
-                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-                % (19 << 19)
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (19 << 19)
             )
             for _ in range(9):
                 writer.write(block)

@@ -22,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
+import itertools
 import logging
 import math
+import os
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -82,6 +84,9 @@ _STALLED = "upstream stream stalled"
 _SAID_CHARS = 300
 # A request id the upstream may be sent as `X-Request-Id` (the ingress's own ids all are).
 _HEADER_SAFE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+# Unique suffixes of the ids sent upstream: this process's, then a count of its attempts.
+_PROC = os.urandom(4).hex()
+_ATTEMPTS = itertools.count(1)
 
 #: Body fields that could steer a request elsewhere; never forwarded (SPEC §7).
 URL_FIELDS = frozenset(("api_base", "base_url", "api_key", "organization", "extra_headers"))
@@ -452,14 +457,17 @@ class Forwarder:
         config = self._runtime().config
         first_byte_ms = config.timeouts.first_byte_ms
         watchdog.arm(min(t0 + first_byte_ms / 1000, deadline))
+        # SPEC §16: the id the upstream may echo, unique to this attempt — the request's id
+        # (for the upstream's logs) and a suffix no other attempt has, so that a client that
+        # names its request like another's cannot make their answers look alike.
         rid = ex.request_id
+        rid = f"{rid if _HEADER_SAFE.fullmatch(rid) else 'req'}.{_PROC}{next(_ATTEMPTS)}"
         resp_up = await _guarded(
             upstream.open(
                 endpoint.path,
                 body.for_model(upstream.model),
                 ex.trace_headers,
-                # the id only where it is header-safe (ours always is; a batch line's too)
-                request_id=rid if _HEADER_SAFE.fullmatch(rid) else None,
+                request_id=rid,
                 # SPEC §16: "a chunk larger than the response bound is a framing error".
                 max_chunk=config.limits.max_response_bytes,
             ),
