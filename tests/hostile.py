@@ -1330,8 +1330,9 @@ class Answer:
         """The properties every answer has (no 500, no hang, no break, no other request's
         tag, OpenAI-shaped errors) and that its outcome is one of `allowed`: `ok` (200, own
         tag), `stream_error` (a started stream ending in an error event), `502` (upstream_error),
-        `504` (upstream_timeout), `503` (with Retry-After), `4xx` (a passed-through client
-        error). Returns the outcome."""
+        `504` (upstream_timeout), `503` (with Retry-After), `429` (rate_limited with
+        Retry-After: an upstream quota), `4xx` (a passed-through client error, or a 429 where
+        `429` is not named). Returns the outcome."""
         assert self.status != 500, f"a 500: {self.describe()}"
         assert self.cut is None, f"the response broke off: {self.describe()}"
         assert tags_in(self.body) <= {self.tag}, f"another request's tag: {self.describe()}"
@@ -1352,6 +1353,10 @@ class Answer:
         elif self.status == 503:
             assert "503" in allowed, f"unexpected 503: {self.describe()}"
             self.assert_error()
+            assert int(self.headers.get("retry-after", "0")) >= 1, self.describe()
+        elif self.status == 429 and "429" in allowed:
+            # SPEC §7: an upstream quota reaches the client as 429 with the time to wait
+            self.assert_error("rate_limited")
             assert int(self.headers.get("retry-after", "0")) >= 1, self.describe()
         elif 400 <= self.status < 500:
             assert "4xx" in allowed, f"unexpected {self.status}: {self.describe()}"

@@ -28,7 +28,6 @@ import pytest
 import trustme
 from aiohttp import web
 
-from gateway.http1 import REUSE_QUIET_S
 from support import GatewayFactory, MockFactory, RunningGateway, chat, pool_config
 
 
@@ -153,12 +152,6 @@ async def test_tls_verified_against_the_instances_ca_file_with_the_openai_client
     await gw.assert_quiet()
 
 
-async def _rested() -> None:
-    """SPEC §16: an upstream connection rests `REUSE_QUIET_S` after its response before it is
-    reused; a test of reuse waits that out (a clock, nothing to await instead)."""
-    await asyncio.sleep(REUSE_QUIET_S * 2)
-
-
 async def test_keep_alive_reuse_over_tls(
     ca: trustme.CA, tls_upstream: TlsUpstream, tmp_path: Path, gateway_factory: GatewayFactory
 ) -> None:
@@ -166,7 +159,6 @@ async def test_keep_alive_reuse_over_tls(
     gw = await gateway_factory(_config(_instance("tls", tls_upstream.url, tls=tls)))
     for _ in range(6):
         assert (await _ask(gw))[0] == 200
-        await _rested()
     # one TLS handshake served all six requests
     assert len(tls_upstream.sni) == 1
     assert tls_upstream.requests == 6
@@ -304,7 +296,6 @@ async def test_an_instances_proxy_tunnels_https_with_basic_credentials(
     gw = await gateway_factory(_config(_instance("via", tls_upstream.url, tls=tls, proxy=url)))
     for _ in range(3):
         assert (await _ask(gw))[0] == 200
-        await _rested()
     assert proxy.targets == [f"CONNECT 127.0.0.1:{tls_upstream.port}"]  # one tunnel, reused
     expected = "Basic " + base64.b64encode(b"user:s3cret-proxy-pw").decode()
     assert proxy.auth == [expected]

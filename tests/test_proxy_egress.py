@@ -36,9 +36,6 @@ async def clients() -> AsyncIterator[Callable[..., Client]]:
     made: list[Client] = []
 
     def make(url: str, **kw: Any) -> Client:
-        # reused at once: these tests are about tunnels, not the rest after a response (SPEC
-        # §16, tests/test_http1.py)
-        kw.setdefault("reuse_quiet_s", 0.0)
         c = Client(url, connect_timeout=kw.pop("timeout", 5), **kw)
         made.append(c)
         return c

@@ -29,9 +29,6 @@ async def clients() -> AsyncIterator[Callable[..., Client]]:
     made: list[Client] = []
 
     def make(url: str, **kw: Any) -> Client:
-        # reused at once: these tests are about TLS, not the rest after a response (SPEC §16,
-        # tests/test_http1.py)
-        kw.setdefault("reuse_quiet_s", 0.0)
         c = Client(url, connect_timeout=5, trust_env=False, **kw)
         made.append(c)
         return c

@@ -15,10 +15,14 @@ What it does, and only that (an OpenAI-compatible upstream needs no more):
 - one request at a time per connection; the request head prebuilt per upstream (`head()`), sent
   with its body in one write; redirects never followed (a 3xx is returned as it is);
 - idle connections reused LIFO (the warmest first), at most `_MAX_IDLE` of them, and none
-  within `REUSE_QUIET_S` (5 ms) of its last response's end. SPEC §16: "connections are never
-  reused within a few milliseconds of a response ending with bytes still possibly in flight":
-  a backend that sends its answer twice, a few ms apart, loses the connection to the duplicate
-  (unsolicited bytes on an idle connection) instead of handing it to the next request;
+  within `REUSE_QUIET_S` (5 ms) of its last response's end unless its upstream echoes the
+  request id. SPEC §16: "connections are never reused within a few milliseconds of a response
+  ending with bytes still possibly in flight": a backend that sends its answer twice, a few ms
+  apart, loses the connection to the duplicate (unsolicited bytes on an idle connection)
+  instead of handing it to the next request. Where the upstream echoes `X-Request-Id` (vLLM,
+  the mock) a duplicate is caught by its id instead, so no rest is needed; where a new
+  connection costs a handshake (TLS, a proxy tunnel) a request waits out the rest of a resting
+  one rather than open another;
 - SPEC §16: "where the backend echoes the request id [...] the gateway checks it and treats a
   mismatch as a framing error": a response whose `X-Request-Id` is not the one sent (`request`'s
   `request_id`) loses its connection, and the request is sent once more on a fresh one (as for
@@ -136,6 +140,7 @@ class _Conn(asyncio.Protocol):
         "_complete",
         "_dirty",
         "_done_at",
+        "_echoes",
         "_eof_framed",
         "_error",
         "_expect_id",
@@ -185,6 +190,9 @@ class _Conn(asyncio.Protocol):
         self._sink_error: BaseException | None = None
         self._sink_stopped = False
         self._done_at = 0.0  # when its last response was released (monotonic)
+        # The upstream echoed the X-Request-Id it was sent: a late duplicate on this
+        # connection names its own request, and is caught as a framing error.
+        self._echoes = False
         self._begin(False, None, DEFAULT_MAX_CHUNK)
 
     def _begin(self, head_only: bool, expect_id: str | None, max_chunk: int) -> None:
@@ -411,6 +419,7 @@ class _Conn(asyncio.Protocol):
                 self._why = "upstream answered another request (X-Request-Id)"
                 self._error = _Crossed(f"upstream broke HTTP framing: {self._why}")
                 raise _Violation
+            self._echoes = echoed is not None
         self._keep_alive = parser.should_keep_alive()
         self._scan = te is not None
         self._eof_framed = (
@@ -956,8 +965,30 @@ class Client:
     def _put(self, conn: _Conn) -> None:
         if self.closed or len(self._idle) + len(self._resting) >= _MAX_IDLE:
             conn.abort()
+        elif conn._echoes:
+            # No bytes "possibly in flight" can pass for the next answer: the upstream echoes
+            # the request id, and a late duplicate names the request it answers (a framing
+            # error, the request sent again on a fresh connection). Reused at once.
+            self._idle.append(conn)
         else:
             self._resting.append(conn)
+
+    async def _rested(self) -> _Conn | None:
+        """A resting connection once its rest is over, where opening a new one costs more
+        than the wait (a TLS handshake, a proxy tunnel: round trips and CPU, against at most
+        `reuse_quiet_s`); else None, and the caller connects. Back-to-back requests to an
+        OpenAI-like upstream keep one connection instead of a handshake each."""
+        resting = self._resting
+        if not resting or not (self.secure or self._proxy is not None):
+            return None
+        # uvloop's timers count whole milliseconds and may fire a little early: wait until
+        # the clock really says the rest is over.
+        for _ in range(3):
+            wait = resting[0]._done_at + self.reuse_quiet_s - time.monotonic() if resting else 0
+            if wait <= 0:
+                break
+            await asyncio.sleep(wait + 0.0005)
+        return self._get()
 
     def head(self, method: str, path: str, headers: str) -> bytes:
         """A request head up to (not including) Content-Length; `headers` is `Name: v\\r\\n`*."""
@@ -979,7 +1010,7 @@ class Client:
         `X-Request-Id` the head carries (an echo of another is a framing error); `max_chunk`:
         the largest chunk a chunked body may declare."""
         payload = b"".join((head, b"Content-Length: ", b"%d" % len(body), b"\r\n\r\n", body))
-        conn = self._get()
+        conn = self._get() or await self._rested()
         if conn is not None:
             try:
                 return await conn.exchange(payload, head_only, request_id, max_chunk)
