@@ -401,19 +401,21 @@ pub fn place(
             e.0 = e.0.min(home);
         }
     } else if longest > 0 {
-        // Ties among the instances holding the run: while some instance lacks it, in the
-        // ring's order from its last block — the same order for every request of a problem,
-        // so after a spill its requests go back to its first holder and the copy the spill
-        // made ages out, instead of the problem taking cache room on every instance it ever
-        // spilled to. Once every instance holds it (a system prompt), the order from the new
-        // part spreads the requests over all of them.
-        let holders = order.iter().filter(|e| e.0 == longest).count();
-        if holders < n {
+        // Ties among the instances holding the run (and among those holding less): while
+        // some instance lacks it, in the ring's order from the first block not every
+        // instance holds — for a problem, its first block (or the first after a head every
+        // instance holds): the order its first request was placed in. So after a spill its
+        // requests go back to its first holder, a spill goes to the same next instance every
+        // time, and a problem does not take cache room on every instance it ever spilled to.
+        // Once every instance holds the run (a system prompt), the order from the new part
+        // spreads the requests over all of them.
+        let common = order.iter().map(|e| e.0).min().unwrap_or(0);
+        if common < longest {
             let mut rank = [0u8; 64];
-            for (r, i) in ring.successors(blocks[longest as usize - 1]).enumerate() {
+            for (r, i) in ring.successors(blocks[common as usize]).enumerate() {
                 rank[i] = r as u8;
             }
-            for e in order.iter_mut().filter(|e| e.0 > 0) {
+            for e in order.iter_mut() {
                 e.1 = rank[usize::from(e.2)];
             }
         }
@@ -624,13 +626,13 @@ mod tests {
     }
 
     #[test]
-    fn holders_of_a_run_tie_in_the_order_of_its_last_block() {
+    fn holders_of_a_run_tie_in_the_order_of_its_first_block() {
         let ring = HashRing::new([(0, 11), (1, 22), (2, 33), (3, 44)]);
-        let held: Vec<_> = ring.successors(20).collect();
+        let held: Vec<_> = ring.successors(1).collect();
         let mut lens = [0; 64];
         lens[held[1]] = 20;
         lens[held[2]] = 20;
-        // whatever follows the run, its holders rank in the ring's order from block 20
+        // whatever follows the run, its holders rank in the ring's order from its first block
         for tail in 100..140u64 {
             let tail = tail.wrapping_mul(0x9e37_79b9_7f4a_7c15);
             let p: Vec<u64> = (1..=20).chain([tail, tail ^ 1]).collect();
