@@ -629,6 +629,7 @@ async def test_pool_admits_only_its_lease_and_fences_itself(mocks: Any) -> None:
                     }
                 },
                 "models": {"m": {"pool": "p"}},
+                "scheduler": {"high": {"max_wait_ms": 300}},
                 "cluster": {"redis_url": "redis://127.0.0.1:1/0", "lease_ms": 300, "renew_ms": 100},
             }
         ),
@@ -639,7 +640,7 @@ async def test_pool_admits_only_its_lease_and_fences_itself(mocks: Any) -> None:
     pool = Pool("p", cfg.pools["p"], cfg, Events())
     try:
         assert pool.snapshot().instances[0].lease == 0
-        with pytest.raises(Overloaded):  # nothing leased: waits lease_ms, then 503
+        with pytest.raises(Overloaded):  # nothing leased: waits like a queue, then 503
             await pool.acquire(1, Priority.HIGH)
         pool.apply_leases({0: 2}, now_ms() + 150)
         assert (await pool.acquire(2, Priority.HIGH))[0] == 0

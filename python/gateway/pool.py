@@ -186,7 +186,9 @@ class Pool:
                 self._core,
                 self._scheduler.fail_all_waiting,
                 lambda i: self._upstreams[i].spec.max_concurrency,
-                config.cluster.lease_ms,
+                # SPEC §13: waiting for a lease is queueing (an idle replica's share follows
+                # demand, so its first requests wait for a busy one's slots to come back).
+                max(config.cluster.lease_ms, config.scheduler.high.max_wait_ms),
             )
             self._leases.reapply()
 

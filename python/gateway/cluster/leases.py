@@ -7,23 +7,29 @@ The protocol (the script is `scripts.LEASE_SYNC`; the local enforcement `local.L
   cap): everything this replica may have in flight by the time the answer lands, so Redis never
   accounts for less than can run. `want` follows demand (SPEC §13 "Shares follow demand"):
   in-flight, plus the pool's queued requests spread over the instances by capacity, plus a
-  quarter of headroom (at least one slot). What nobody wants the script splits evenly (the
-  idle baseline), so a replica admits a burst at once up to its share.
+  quarter of headroom (at least one slot) — and nothing at all for an idle replica. What
+  nobody wants the script splits evenly (the idle baseline), so a replica admits a burst at
+  once up to its share while the cluster is idle.
 - **Apply** only a fresh answer: the lease is valid until `sent + lease_ms − margin` on the
   monotonic clock, measured from *sending* — Redis renewed it later than that, so the replica
   stops (self-fences, in `LocalLeases`) before Redis can hand its slots to another. An answer
   that arrives after that is ignored: the replica stays fenced and asks again.
 - **Redis unreachable** (SPEC §13: "each replica keeps serving on a safe static share
-  (`max_concurrency` divided by the last known replica count)"): once the lease has fully
-  expired and two attempts in a row failed (the second begun after expiry, so a process just
-  woken from SIGSTOP asks Redis before it concludes anything), every instance gets
-  `floor(C / N_last)` — at once where that is below the replica's last lease, and above it only
-  after `timeouts.total_ms` (the longest an attempt admitted under the old leases can still
-  run): Σ caps ≤ Σ old leases ≤ C first, ≤ N · floor(C/N) ≤ C after. A replica that never
-  synced does not know N and stays fenced ("joining").
-- **Redis back** (also a restarted, empty one): the next report registers `floor` — at least
-  the in-flight — and the script's recovery window keeps everyone within their static share
-  until every replica had a lease's time to report.
+  (`max_concurrency` divided by the last known replica count)" and "Losing Redis never fails a
+  request by itself: queued requests stay queued and are served on the static share"): the
+  replica moves to its static share *before* its lease runs out, so it never fences (a fence
+  answers the queue 503): while the lease is still valid, after two failed attempts in a row,
+  or after one when the lease would run out before another attempt could end. Every instance
+  then gets `floor(C / N_last)` — at once where that is below the replica's last lease (so
+  the queue keeps its slots and nothing is granted past what Redis still counts as this
+  replica's), and above it only after `timeouts.total_ms` (the longest an attempt admitted
+  under the old leases can still run): Σ caps ≤ Σ old leases ≤ C first, ≤ N · floor(C/N) ≤ C
+  after. A replica whose lease already ran out (woken from SIGSTOP: it fenced before anything
+  else) asks Redis first: the static share only after two failures, the second begun after
+  the lease expired in Redis too.
+- **Starting without Redis** (SPEC §13: "A replica that starts while Redis is unreachable
+  serves on the static share (replica count from `cluster.expected_replicas`)"): it held
+  nothing, so its static share applies in full at the first failed attempt.
 """
 
 from __future__ import annotations
@@ -54,8 +60,11 @@ def demand_of(snap: PoolSnapshot) -> dict[str, list[int]]:
         row[0] = inst.max_concurrency
         row[1] += max(inst.in_flight, inst.lease or 0)
         spread = math.ceil(queued * inst.max_concurrency / total)
-        headroom = max(1, math.ceil(inst.in_flight / 4))
-        row[2] = min(inst.max_concurrency, inst.in_flight + spread + headroom)
+        # SPEC §13 "Shares follow demand": an idle replica wants nothing (its share shrinks to
+        # its in-flight, so a busy one can use the whole cap); a busy one a quarter more.
+        busy = inst.in_flight + spread
+        headroom = max(1, math.ceil(inst.in_flight / 4)) if busy else 0
+        row[2] = min(inst.max_concurrency, busy + headroom)
     return out
 
 
@@ -68,6 +77,10 @@ class PoolLease:
     margin_ms: int
     #: How long an attempt may run at most (`timeouts.total_ms`): the static share's phase 1.
     max_attempt_ms: int
+    #: `cluster.expected_replicas`: the replica count before Redis ever answered.
+    expected_replicas: int = 2
+    #: How long before the lease runs out the last attempt must have begun (renew + timeout).
+    attempt_ms: int = 0
     #: Monotonic ms the last fresh answer's request was sent (None: never).
     last_ok_sent: int | None = None
     #: Live replicas in the last answer (None: never synced).
@@ -124,22 +137,36 @@ class PoolLease:
     def failed(self, pool: Pool | None, started: int) -> None:
         """An attempt begun at `started` failed: maybe time for the static share."""
         self.failures += 1
-        if self.replicas is None or self.last_ok_sent is None or pool is None:
-            return  # never synced: the replica count is unknown, stay fenced
-        if self.failures < 2 or started < self.last_ok_sent + self.lease_ms:
+        if pool is None:
             return
         now = now_ms()
         if self.static_since is None:
+            if not self._go_static(now, started):
+                return
             self.static_since = now
         pool.apply_leases(self.static_share(pool, now), None)
 
+    def _go_static(self, now: int, started: int) -> bool:
+        if self.last_ok_sent is None:
+            return True  # never leased: nothing held, the static share of a starting replica
+        fence_at = self.last_ok_sent + self.lease_ms - self.margin_ms
+        if now < fence_at:
+            # Still leased: before the fence, so the queue stays queued.
+            return self.failures >= 2 or now + self.attempt_ms >= fence_at
+        return self.failures >= 2 and started >= self.last_ok_sent + self.lease_ms
+
+    @property
+    def divisor(self) -> int:
+        """The replica count the static share divides by: the last known, else expected."""
+        return self.replicas or self.expected_replicas
+
     def static_share(self, pool: Pool, now: int) -> dict[int, int]:
         """SPEC §13 `floor(C / N_last)` per instance, not above the last lease until every
-        attempt admitted under it has ended."""
-        assert self.replicas is not None and self.static_since is not None
-        settled = now >= self.static_since + self.max_attempt_ms
+        attempt admitted under it has ended (a replica that never held a lease: at once)."""
+        assert self.static_since is not None
+        settled = self.last_ok_sent is None or now >= self.static_since + self.max_attempt_ms
         out: dict[int, int] = {}
         for idx, up in pool.live_upstreams():
-            share = up.spec.max_concurrency // self.replicas
+            share = up.spec.max_concurrency // self.divisor
             out[idx] = share if settled else min(share, self.targets.get(up.name, 0))
         return out

@@ -10,8 +10,9 @@ leases never exceeds it" and "No Redis round trip on the per-request path". The 
   grants until enough attempts finish;
 - a lease of 0 ("blocked") cannot be a cap — the core refuses 0 — so it is enforced one step
   earlier: new requests enter the core with the blocked instances in their `excluded` set (as
-  if already tried), and a request for which every instance is blocked waits here, bounded by
-  `lease_ms`, for a lease instead of entering the core's queue. Requests already queued when
+  if already tried), and a request for which every instance is blocked waits here, bounded
+  like a queue (`scheduler.high.max_wait_ms`, at least `lease_ms`), for a lease instead of
+  entering the core's queue. Requests already queued when
   a leased instance becomes blocked could still be granted it, so at that moment they are
   answered 503 `overloaded` with `Retry-After` (only self-fencing, and more replicas than an
   instance has slots, ever block an instance that was leased).
@@ -22,7 +23,8 @@ that cannot renew must stop first): each renewal sets an expiry on the monotonic
 admission point — a request, a release, a probe, a scheduler tick, and a timer — checks it
 first; the first one that finds it passed blocks every instance (each cap drops to what is in
 flight) before it does anything else. A process woken from SIGSTOP therefore fences before it
-grants anything from its stale lease.
+grants anything from its stale lease. (Redis merely unreachable does not fence: the sync moves
+the pool to its static share before the lease runs out, so its queue stays queued.)
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ class LocalLeases:
 
     async def admit(self, excluded: int) -> int:
         """The `excluded` set a new request enters the core with: its own plus the blocked
-        instances. Waits (at most `lease_ms`) while every instance it may use is blocked;
+        instances. Waits (bounded like a queue) while every instance it may use is blocked;
         then raises `Overloaded` (503 with Retry-After)."""
         expiry = self.expiry_ms
         if expiry is not None and now_ms() >= expiry:

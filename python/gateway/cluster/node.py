@@ -64,9 +64,13 @@ class ClusterNode:
         lease_ms, renew_ms = settings.lease_ms, settings.renew_ms
         # Self-fence a quarter of a lease before Redis could expire it (2 s → 0.5 s).
         self.margin_ms = lease_ms // 4
-        # A call that takes longer than this is as good as lost (and never blocks a fence).
+        # SPEC §13 "every call has a timeout": a call that takes longer than this is as good
+        # as lost. An eighth of a lease (2 s → 250 ms), so that two failed attempts, each
+        # after a renew period, end well before the fence: the replica is on its static
+        # share by then and its queue stays queued.
+        self.timeout_ms = max(50, min(lease_ms // 8, 1000))
         self.redis = RedisState(
-            settings.redis_url, replica=self.replica, timeout_ms=max(50, min(lease_ms // 4, 1000))
+            settings.redis_url, replica=self.replica, timeout_ms=self.timeout_ms
         )
         self.pools: dict[str, PoolLease] = {}
         self.hints = HintTracker()
@@ -156,7 +160,14 @@ class ClusterNode:
         if lease is None:
             c = self.settings
             total_ms = self.gw.runtime.config.timeouts.total_ms
-            lease = self.pools[name] = PoolLease(name, c.lease_ms, self.margin_ms, total_ms)
+            lease = self.pools[name] = PoolLease(
+                name,
+                c.lease_ms,
+                self.margin_ms,
+                total_ms,
+                expected_replicas=c.expected_replicas,
+                attempt_ms=c.renew_ms + self.timeout_ms,
+            )
         snap = pool.snapshot()
         payload = lease.payload(snap)
         payload["h"] = self.hints.outgoing(name, snap)
@@ -217,7 +228,7 @@ class ClusterNode:
 
     def _update_static(self) -> None:
         """Rate limits follow the slots: static 1/N while any pool is on its static share."""
-        counts = [p.replicas for p in self.pools.values() if p.fail_static and p.replicas]
+        counts = [p.divisor for p in self.pools.values() if p.fail_static]
         self.rates.set_static(max(counts) if counts else None)
         live = [p.replicas for p in self.pools.values() if p.replicas]
         self.rates.share.replicas = max(live) if live else 1
@@ -263,8 +274,11 @@ class ClusterNode:
 
     @property
     def joined(self) -> bool:
-        """Whether every pool had a lease at least once."""
-        return bool(self.pools) and all(p.replicas is not None for p in self.pools.values())
+        """Whether every pool serves: it had a lease at least once, or it is on its static
+        share (SPEC §13: a replica that starts while Redis is unreachable serves on it)."""
+        return bool(self.pools) and all(
+            p.replicas is not None or p.fail_static for p in self.pools.values()
+        )
 
     @property
     def fail_static(self) -> bool:
@@ -277,7 +291,8 @@ class ClusterNode:
     @property
     def status(self) -> str:
         """`ok`, `degraded` (Redis unreachable, fenced or on the static share: SPEC §13
-        "reports `cluster: degraded`") or `joining` (no lease yet: not ready)."""
+        "reports `cluster: degraded`") or `joining` (neither a lease nor a static share yet:
+        not ready)."""
         if not self.joined:
             return "joining"
         if self.fail_static or self.fenced or self.failures >= 2:

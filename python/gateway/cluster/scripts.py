@@ -23,12 +23,13 @@ share). Keys: `leases` (HASH replica → JSON {instance: [held, want, in_flight,
    flight before this answer lands: max(in-flight, its current cap)):
    - others = Σ held of the other live replicas; free = C − others;
    - share = when the live replicas' demands exceed C, the max-min fair share (water-filling
-     in whole slots, each demand at least 1 while C ≥ replicas); when they fit, the demand
-     plus an even part of what is left (spare). So an idle cluster splits every instance
-     evenly — the idle baseline, Σ = C: a burst on any replica is admitted at once — and a
-     replica whose demand grows takes the others' spare as their next syncs give it back
-     (SPEC §13 "a busy replica gets more of an idle one's share within about one renew
-     period"; a replica whose lease shrank syncs again at once to hand it over);
+     in whole slots); when they fit, the demand plus an even part of what is left (spare).
+     So an idle cluster splits every instance evenly — the idle baseline, Σ = C: a burst on
+     any replica is admitted at once — and a replica whose demand grows takes the others'
+     spare as their next syncs give it back (SPEC §13 "a busy replica gets more of an idle
+     one's share within about one renew period"; a replica whose lease shrank syncs again at
+     once to hand it over). An idle replica demands nothing, so beside a busy one its share
+     shrinks to its in-flight and the busy one can use the whole cap;
    - target = min(share, free) (≥ 0), clamped in a recovery window;
    - held = max(floor, target). Σ target ≤ C always (each is at most what the others hold
      left free), and so Σ held, unless a replica reports more in flight than its lease (a
@@ -163,21 +164,19 @@ end
 local targets, mine = {}, {}
 for name, v in pairs(req.i) do
   local cap, floor_, want, inflight = v[1], v[2], v[3], v[4]
-  local base = 0
-  if cap >= n then base = 1 end
   local others, entries = 0, {}
   for r, tab in pairs(tables) do
     if r ~= replica then
       local e = tab[name]
       if e then
         others = others + e[1]
-        entries[#entries + 1] = {r, math.max(e[2], base)}
+        entries[#entries + 1] = {r, e[2]}
       else
-        entries[#entries + 1] = {r, base}
+        entries[#entries + 1] = {r, 0}
       end
     end
   end
-  entries[#entries + 1] = {replica, math.max(want, base)}
+  entries[#entries + 1] = {replica, want}
   local target = math.min(share_of(entries, cap, replica), cap - others)
   if recovering then
     local before = 0

@@ -420,6 +420,9 @@ class Cluster(_Section, frozen=True, kw_only=True):
     # "a dead replica's share returns within this"
     lease_ms: PositiveMs = 2000
     renew_ms: PositiveMs = 200
+    # "A replica that starts while Redis is unreachable serves on the static share (replica
+    # count from `cluster.expected_replicas`, default 2)"
+    expected_replicas: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 2
 
 
 class Config(_Section, frozen=True, kw_only=True):
