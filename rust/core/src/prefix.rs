@@ -24,9 +24,11 @@
 //!   longest held run by bisection over the points where that set changes: `O(d log m)`
 //!   lookups for `d` distinct lengths over `m` blocks (a cold prompt: one lookup).
 //! - **Placement** ([`place`]): the instance holding the longest leading run ranks first;
-//!   ties, and the instances holding nothing, in the ring's order from the first block no
-//!   instance holds (a new prefix: its first block). The bounded-load rule of `affinity.rs`
-//!   then applies along that ranking.
+//!   ties in the ring's order from the first block not every instance holds (the order the
+//!   prefix's first request was placed in), or, once every instance holds the run, from the
+//!   first block none holds. A new prefix goes by the ring of its first block; a new problem
+//!   behind a short shared head by the ring of its first block after the head (the spread
+//!   rule). The bounded-load rule of `affinity.rs` then applies along that ranking.
 //!
 //! Alternatives not taken: a radix tree of characters (SGLang's router) — pointers cannot
 //! live in a shared region and eviction sweeps the tree; scoring by the matched *share* of the
