@@ -117,7 +117,7 @@ def _hints_ok(hints: Any) -> bool:
         and len(h) == 3
         and isinstance(h[0], str)
         and isinstance(h[1], str)
-        and isinstance(h[2], int)
+        and isinstance(h[2], int | float)  # cjson writes large numbers as 1.2e+15
         for h in hints
     )
 
