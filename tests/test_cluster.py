@@ -33,6 +33,7 @@ from gateway.config import parse_config
 from gateway.errors import ConfigError
 from gateway.sim.mock import MockBehavior, MockServer
 from redis_fixture import REDIS_SERVER, RedisServer
+from test_dashboard import page  # noqa: F401  (the headless Chromium fixture)
 
 pytestmark = pytest.mark.skipif(
     REDIS_SERVER is None, reason="redis-server is not installed (CI installs Debian's)"
@@ -1007,3 +1008,31 @@ async def test_one_busy_replica_uses_the_whole_cap(
     # 40 x 250 ms over 4 slots is 2.5 s (3.3 s over 3), plus the ramp and the overheads.
     assert took < 5, f"40 requests took {took:.2f} s"
     print(f"backend at 4 after {reached:.2f} s, {at_cap:.0%} of samples at 4, all in {took:.2f} s")
+
+
+async def test_dashboard_shows_each_replicas_lease(
+    page: Any,  # noqa: F811  (the fixture imported above)
+    redis_server: RedisServer,
+    mocks: Any,
+    gateway_factory: Any,
+) -> None:
+    """SPEC §13 "`/admin/state` shows the cluster: ... each instance's lease per replica", and
+    the dashboard's instance row says it: this replica's lease and every replica's."""
+    mock = await mocks()
+    cfg = _small_config(redis_server.url, mock)
+    gws = []
+    for rid in ("a", "b"):
+        one = yaml.safe_load(yaml.safe_dump(cfg))
+        one["cluster"]["replica_id"] = rid
+        gws.append(await gateway_factory(one))
+    a = gws[0]
+
+    async def split(gw: Any) -> bool:
+        inst = (await gw.state())["cluster"]["pools"]["p"]["instances"]["m0"]
+        return {r: v["lease"] for r, v in inst["replicas"].items()} == {"a": 2, "b": 2}
+
+    for gw in gws:
+        await until(lambda gw=gw: split(gw), 5, "2 and 2 in the view")
+    await page.goto(a.url + "/dashboard#key=" + ADMIN_KEY)
+    row = "document.querySelector('[data-instance=\"p/m0\"]')"
+    await page.wait_for(f"!!{row} && {row}.innerText.includes('lease 2 of 4 (a 2, b 2)')")
