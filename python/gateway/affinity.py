@@ -69,7 +69,8 @@ def prefix_capacity_blocks(affinity: Affinity, instances: int, kv_tokens: int | 
     reports, else `cache_tokens`), and no more than `index_mib` holds for all `instances`."""
     tokens = kv_tokens or affinity.cache_tokens
     by_cache = int(CACHE_SHARE * tokens * BYTES_PER_TOKEN / affinity.block_bytes)
-    by_memory = affinity.index_mib * 2**20 // (ENTRY_BYTES * max(1, instances))
+    # the core holds between C and 2C blocks per instance (two generations of C)
+    by_memory = affinity.index_mib * 2**20 // (2 * ENTRY_BYTES * max(1, instances))
     return max(2, min(by_cache, by_memory, 2**32 - 1))
 
 

@@ -44,7 +44,7 @@ pub struct PoolConfig {
     /// while its load is at most `(1 + ε)` times the pool's average.
     pub affinity_epsilon_permille: u32,
     /// SPEC §15: the prompt blocks the index remembers per instance, "bounded by that
-    /// instance's cache size" (`C`; it holds between `C/2` and `C`).
+    /// instance's cache size" (`C`; it holds between `C` and `2C`).
     pub prefix_capacity_blocks: u32,
     pub health: HealthConfig,
 }
@@ -1470,7 +1470,14 @@ fn place_affine(
     let mut lens = [0u32; 64];
     let longest = prefixes.matches(blocks, ring.members(), &mut lens);
     let branches = prefixes.branches(blocks, &lens, longest);
-    prefix::place(ring, blocks, &lens, longest, branches, cap, candidate, load)
+    // SPEC §15: a request with nothing to lose spills above the average, not the bound —
+    // but an instance with one request (a sequential client's previous one, not released
+    // yet) is never too busy for a new prefix, so an idle pool's workers still agree.
+    let cold_cap = affinity::capacity(total, up, 0).max(2);
+    let caps = (cap, cold_cap);
+    prefix::place(
+        ring, blocks, &lens, longest, branches, caps, candidate, load,
+    )
 }
 
 /// What places a request in an `affinity` pool: its session key (0: none), its prompt

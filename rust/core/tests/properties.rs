@@ -750,7 +750,8 @@ proptest! {
             prop_assert!(after <= bound, "{} in flight, bound {}", after, bound);
             for k in 0..ids.len() {
                 let (held, cap, _) = pool.prefix_index(k);
-                prop_assert!(held <= cap, "{} held over {}", held, cap);
+                // two generations of `cap` blocks each (prefix.rs)
+                prop_assert!(held <= 2 * cap, "{} held over 2 x {}", held, cap);
             }
             if release && !running.is_empty() {
                 let t = running.remove(0);
