@@ -6,11 +6,14 @@
         await asyncio.to_thread(tracing.force_flush)
         spans = otlp.spans                # list[ReceivedSpan]
 
-It serves `POST /v1/traces` with `ExportTraceServiceRequest` protobuf bodies (plain or gzip),
-as the official `OTLPSpanExporter` sends them, and answers an empty
-`ExportTraceServiceResponse`. It runs its own event loop in a thread: the SDK exports from its
-own thread with a blocking HTTP client, so a `force_flush()` called on the test's loop (or a
-gateway shutting down its tracer) can never deadlock against the receiver.
+It serves `POST /v1/traces` with `ExportTraceServiceRequest` bodies (plain or gzip) in either
+OTLP/HTTP encoding: JSON (`Content-Type: application/json`, what the gateway sends; decoded by
+the OTLP JSON mapping: hex ids, 64-bit integers as strings or numbers) or protobuf (what the
+official `OTLPSpanExporter` sends), and answers an empty `ExportTraceServiceResponse` in the
+same encoding. It runs its own event loop in a thread: the gateway exports from its own thread
+with a blocking HTTP client, so a `force_flush()` called on the test's loop (or a gateway
+shutting down its tracer) can never deadlock against the receiver. `content_types` records the
+encoding of every export.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -97,6 +101,65 @@ def decode(body: bytes) -> list[ReceivedSpan]:
     return out
 
 
+def _json_value(v: dict[str, Any]) -> Any:
+    if not v:
+        return None
+    ((kind, x),) = v.items()
+    if kind == "arrayValue":
+        return [_json_value(e) for e in x.get("values", [])]
+    if kind == "kvlistValue":
+        return {kv["key"]: _json_value(kv["value"]) for kv in x.get("values", [])}
+    if kind == "intValue":
+        return int(x)
+    if kind == "doubleValue":
+        return float(x)
+    if kind in ("stringValue", "boolValue"):
+        return x
+    raise ValueError(f"unknown AnyValue {kind}")
+
+
+def _json_attrs(kvs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {kv["key"]: _json_value(kv.get("value", {})) for kv in kvs}
+
+
+def decode_json(body: bytes) -> list[ReceivedSpan]:
+    """The spans of one `ExportTraceServiceRequest` in the OTLP/JSON encoding. Strict where
+    a collector is: ids must be hex of the right length, kinds and status codes numbers."""
+    doc = json.loads(body)
+    out: list[ReceivedSpan] = []
+    for rs in doc.get("resourceSpans", []):
+        resource = _json_attrs(rs.get("resource", {}).get("attributes", []))
+        for ss in rs.get("scopeSpans", []):
+            scope = ss.get("scope", {}).get("name", "")
+            for s in ss.get("spans", []):
+                trace, span, parent = s["traceId"], s["spanId"], s.get("parentSpanId", "")
+                assert len(trace) == 32 and len(span) == 16 and len(parent) in (0, 16)
+                bytes.fromhex(trace + span + parent)  # hex, as OTLP/JSON requires
+                kind, code = s.get("kind", 0), s.get("status", {}).get("code", 0)
+                assert isinstance(kind, int) and isinstance(code, int)
+                out.append(
+                    ReceivedSpan(
+                        name=s["name"],
+                        trace_id=trace,
+                        span_id=span,
+                        parent_span_id=parent,
+                        kind=KINDS.get(kind, str(kind)),
+                        attributes=_json_attrs(s.get("attributes", [])),
+                        status=STATUS.get(code, str(code)),
+                        status_message=s.get("status", {}).get("message", ""),
+                        start_ns=int(s["startTimeUnixNano"]),
+                        end_ns=int(s["endTimeUnixNano"]),
+                        resource=resource,
+                        scope=scope,
+                        events=[
+                            (e["name"], _json_attrs(e.get("attributes", [])))
+                            for e in s.get("events", [])
+                        ],
+                    )
+                )
+    return out
+
+
 class OtlpReceiver:
     """See the module docstring. `status` makes it answer errors (an unhealthy collector)."""
 
@@ -106,6 +169,8 @@ class OtlpReceiver:
         self.requests = 0
         self.raw: list[bytes] = []  # every decoded-from body, for "never in the bytes" checks
         self.status = 200
+        self.content_types: list[str] = []
+        self.headers: list[dict[str, str]] = []  # of every export
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -176,17 +241,22 @@ class OtlpReceiver:
         body = await request.read()
         if request.headers.get("Content-Encoding", "").lower() == "gzip":
             body = gzip.decompress(body)
+        is_json = request.content_type == "application/json"
         with self._lock:
             self.requests += 1
+            self.content_types.append(request.content_type)
+            self.headers.append({k.lower(): v for k, v in request.headers.items()})
             if self.status != 200:
                 return web.Response(status=self.status)
         try:
-            spans = decode(body)
+            spans = decode_json(body) if is_json else decode(body)
         except Exception:  # a malformed export is a 400, as a collector answers
             return web.Response(status=400)
         with self._lock:
             self.raw.append(body)
             self._spans.extend(spans)
+        if is_json:
+            return web.Response(body=b"{}", content_type="application/json")
         return web.Response(
             body=ExportTraceServiceResponse().SerializeToString(),
             content_type="application/x-protobuf",

@@ -157,14 +157,31 @@ def test_describe_never_shows_a_collector_path_or_token() -> None:
     assert "SECRET" not in line
 
 
-def test_missing_extra_leaves_tracing_off_with_a_warning(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+async def test_tracing_needs_no_opentelemetry_package(
+    monkeypatch: pytest.MonkeyPatch, otlp: OtlpReceiver
 ) -> None:
-    # An import of a module mapped to None raises ImportError: as if the extra were missing.
-    monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)
-    with caplog.at_level(logging.WARNING, logger="gateway"):
-        assert telemetry.setup(_config(otlp_endpoint="http://127.0.0.1:9"), env={}) is None
-    assert "tracing off" in caplog.text
+    """The exporter is the gateway's own (OTLP/HTTP in its JSON encoding): with every
+    OpenTelemetry module unimportable, spans still reach the collector, as JSON, with the
+    headers of `OTEL_EXPORTER_OTLP_HEADERS`."""
+    for name in [m for m in sys.modules if m.startswith("opentelemetry")] + [
+        "opentelemetry",
+        "opentelemetry.sdk",
+        "opentelemetry.sdk.trace",
+    ]:
+        monkeypatch.setitem(sys.modules, name, None)  # an import of it raises ImportError
+    env = {"OTEL_EXPORTER_OTLP_HEADERS": "x-team=gw%20one,broken"}
+    t = telemetry.setup(_config(otlp_endpoint=otlp.url, service_name="svc"), env=env)
+    assert t is not None
+    try:
+        span = t.request({}, "/v1/chat/completions")
+        span.end(_exchange())
+        await _flush(t)
+        (got,) = await otlp.wait_for(1)
+        assert got.trace_id == span.trace_id and got.resource["service.name"] == "svc"
+        assert otlp.content_types == ["application/json"]
+        assert otlp.headers[-1].get("x-team") == "gw one"
+    finally:
+        t.shutdown()
 
 
 def test_off_means_opentelemetry_is_never_imported(tmp_path: Path) -> None:
