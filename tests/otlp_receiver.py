@@ -169,6 +169,7 @@ class OtlpReceiver:
         self.requests = 0
         self.raw: list[bytes] = []  # every decoded-from body, for "never in the bytes" checks
         self.status = 200
+        self.fail_next = 0  # answer this many exports 503 (then `status` again)
         self.content_types: list[str] = []
         self.headers: list[dict[str, str]] = []  # of every export
         self.port = 0
@@ -246,6 +247,9 @@ class OtlpReceiver:
             self.requests += 1
             self.content_types.append(request.content_type)
             self.headers.append({k.lower(): v for k, v in request.headers.items()})
+            if self.fail_next > 0:
+                self.fail_next -= 1
+                return web.Response(status=503)
             if self.status != 200:
                 return web.Response(status=self.status)
         try:

@@ -12,7 +12,6 @@ Two parts:
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import re
 import subprocess
@@ -527,6 +526,75 @@ async def test_sample_ratio_zero_exports_nothing(otlp: OtlpReceiver) -> None:
             span.end(_exchange())
         await _flush(t)
         assert otlp.spans == []
+    finally:
+        t.shutdown()
+
+
+def _traced_requests(t: Tracing, n: int) -> list[RequestSpan]:
+    """`n` sampled requests of three spans each (request, queue, attempt), ended."""
+    out = []
+    for _ in range(n):
+        span = t.request({}, "/v1/chat/completions")
+        span.routed("m")
+        span.queue("p").end("high", 0.001)
+        a = span.attempt(1, "p", "a", "up-model", "http://h:1")
+        a.end(SimpleNamespace(status=200), _exchange())
+        span.end(_exchange())
+        out.append(span)
+    return out
+
+
+async def test_a_collector_that_cannot_keep_up_loses_spans_counted_never_memory(
+    otlp: OtlpReceiver,
+) -> None:
+    """The queue is bounded: with the collector refusing (503, retried with back-off) the
+    spans past the bound are dropped and counted in `gateway_trace_spans_dropped_total`,
+    and recording stays as cheap as ever."""
+    otlp.status = 503
+    t = Tracing(otlp.url + "/v1/traces", max_queue=30, schedule_delay_ms=10)
+    metrics = Metrics(lambda: SimpleNamespace(pools={}))  # type: ignore[arg-type,return-value]
+    metrics.watch_spans(lambda: t.dropped)
+    try:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        _traced_requests(t, 100)  # 300 spans
+        assert loop.time() - t0 < 1.0
+        assert len(t._queue) <= 30
+        assert t.dropped >= 300 - 30 - 512  # all but what the queue and one batch hold
+        assert t.dropped > 0
+        text = metrics.render().decode()
+        (line,) = [x for x in text.splitlines() if x.startswith("gateway_trace_spans_dropped_")]
+        assert float(line.split()[-1]) == t.dropped
+    finally:
+        await t.close(timeout_s=0.5)
+
+
+async def test_a_busy_collector_is_retried_and_shutdown_flushes(otlp: OtlpReceiver) -> None:
+    """Two 503s, then the collector takes the batch: nothing lost. Spans still queued when
+    the gateway shuts down are exported by `shutdown()` without a flush first."""
+    otlp.fail_next = 2
+    t = Tracing(otlp.url + "/v1/traces", schedule_delay_ms=60_000)
+    spans = _traced_requests(t, 5)
+    await _flush(t)
+    assert len(await otlp.wait_for(15)) == 15 and otlp.requests == 3 and t.dropped == 0
+    otlp.clear()
+    more = _traced_requests(t, 4)
+    await asyncio.to_thread(t.shutdown)
+    got = {s.trace_id for s in otlp.spans}
+    assert got == {s.trace_id for s in more} and not got & {s.trace_id for s in spans}
+    assert len(otlp.spans) == 12 and t.exported == 27
+    _traced_requests(t, 1)  # after shutdown: dropped, counted, no thread
+    assert t.dropped == 3
+
+
+async def test_a_collector_refusing_the_format_is_not_retried(otlp: OtlpReceiver) -> None:
+    """A 4xx other than 429 is final (OTLP/HTTP): the batch is dropped and counted."""
+    otlp.status = 400
+    t = Tracing(otlp.url + "/v1/traces", schedule_delay_ms=60_000)
+    try:
+        _traced_requests(t, 2)
+        assert not await asyncio.to_thread(t.force_flush, 10_000)
+        assert otlp.requests == 1 and t.dropped == 6
     finally:
         t.shutdown()
 

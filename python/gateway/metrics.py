@@ -180,6 +180,22 @@ class _LogDropsCollector(Collector):
         )
 
 
+class _SpanDropsCollector(Collector):
+    """`gateway_trace_spans_dropped_total`: spans lost because the trace exporter's bounded
+    queue was full (the collector could not keep up) or their export failed for good
+    (gateway.telemetry: tracing never blocks or grows without bound)."""
+
+    def __init__(self, dropped: Callable[[], int]) -> None:
+        self._dropped = dropped
+
+    def collect(self) -> Iterator[Any]:
+        yield CounterMetricFamily(
+            "gateway_trace_spans_dropped",
+            "Trace spans dropped because the OTLP exporter could not keep up or export them",
+            value=self._dropped(),
+        )
+
+
 class _RestartsCollector(Collector):
     """SPEC §12 `gateway_worker_restarts_total`, read at scrape time from the supervisor's file
     (every worker sees every restart, its own included)."""
@@ -427,6 +443,11 @@ class Metrics:
             if isinstance(n, int) and n > 0:
                 self._child(self.tokens, pool, instance, kind).inc(n)
                 self._child(self.key_tokens, key, kind).inc(n)
+
+    def watch_spans(self, dropped: Callable[[], int]) -> None:
+        """Exposes `gateway_trace_spans_dropped_total` from `dropped()` (tracing on only;
+        summed over the workers like the other counters)."""
+        self._own.register(_SpanDropsCollector(dropped))
 
     def watch_batches(self, counts: Callable[[], Mapping[str, int]]) -> None:
         """Exposes `gateway_batches{status}` from `counts()` (read at scrape time; with
