@@ -190,6 +190,9 @@ class Gateway:
         REDACTOR.add(secrets_of(config))
         # OpenTelemetry traces: None (and nothing imported) unless an OTLP endpoint is set.
         self.tracing = telemetry.setup(config)
+        if self.tracing is not None:
+            tracing = self.tracing
+            self.metrics.watch_spans(lambda: tracing.dropped)
         self.forwarder = Forwarder(
             lambda: self.runtime, self.metrics, REDACTOR, lambda: self._hard_stopped
         )
