@@ -291,6 +291,7 @@ class Tracing:
         self._delay = (schedule_delay_ms if schedule_delay_ms is not None else _DELAY_MS) / 1000
         self._sender = _Sender(endpoint, headers or {}) if exporter is None else None
         self._export = exporter if exporter is not None else self._sender.post  # type: ignore[union-attr]
+        self._fragments: dict[tuple[str, Any], bytes] = {}
         self._prefix = orjson.dumps(
             {
                 "resource": {
@@ -427,26 +428,38 @@ class Tracing:
 
     def _encode(self, batch: list[_Record]) -> bytes:
         """One OTLP/JSON `ExportTraceServiceRequest` (the OTLP/HTTP JSON encoding: ids in hex,
-        64-bit integers as strings, enums as numbers)."""
-        spans = []
+        64-bit integers as strings, enums as numbers), written straight as bytes: each
+        attribute's `{"key":...,"value":...}` object is one cached fragment when its value
+        is a string or a bool (names, pools, models: they repeat) and one `%` format for a
+        number (orjson still escapes every string, once)."""
+        parts = []
+        cache = self._fragments
         for trace, sid, parent, name, kind, start, end, attrs, status, state in batch:
-            span: dict[str, Any] = {
-                "traceId": f"{trace:032x}",
-                "spanId": f"{sid:016x}",
-                "name": name,
-                "kind": kind,
-                "startTimeUnixNano": str(start),
-                "endTimeUnixNano": str(end),
-                "attributes": _json_attrs(attrs),
-            }
+            fields = []
+            for key, v in attrs.items():
+                cls = type(v)
+                if cls is int:
+                    fields.append(_INT_ATTR % (_key(key), v))
+                elif cls is float:
+                    fields.append(_FLOAT_ATTR % (_key(key), _float(v)))
+                elif cls is str or cls is bool:
+                    frag = cache.get((key, v))
+                    if frag is None:
+                        frag = _fragment(key, v)
+                        if len(cache) < _MAX_FRAGMENTS:
+                            cache[(key, v)] = frag
+                    fields.append(frag)
+                else:
+                    fields.append(_fragment(key, v))
+            head = _SPAN_HEAD % (trace, sid, _key(name), kind, start, end)
             if parent:
-                span["parentSpanId"] = f"{parent:016x}"
+                head += b',"parentSpanId":"%016x"' % parent
             if state:
-                span["traceState"] = state
+                head += b',"traceState":' + orjson.dumps(state)
             if status:
-                span["status"] = {"code": status}
-            spans.append(span)
-        return b'{"resourceSpans":[' + self._prefix + orjson.dumps(spans) + b"}]}]}"
+                head += b',"status":{"code":%d}' % status
+            parts.append(head + b',"attributes":[' + b",".join(fields) + b"]}")
+        return b'{"resourceSpans":[' + self._prefix + b"[" + b",".join(parts) + b"]}]}]}"
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -565,6 +578,42 @@ class _Sender:
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.close()
+
+
+#: At most this many cached attribute fragments (`Tracing._encode`), so that values that
+#: do not repeat cannot grow the cache.
+_MAX_FRAGMENTS: Final = 4096
+_SPAN_HEAD: Final = (
+    b'{"traceId":"%032x","spanId":"%016x","name":%s,"kind":%d,'
+    b'"startTimeUnixNano":"%d","endTimeUnixNano":"%d"'
+)
+_INT_ATTR: Final = b'{"key":%s,"value":{"intValue":"%d"}}'
+_FLOAT_ATTR: Final = b'{"key":%s,"value":{"doubleValue":%s}}'
+_keys: dict[str, bytes] = {}
+
+
+def _key(text: str) -> bytes:
+    """`text` as a JSON string (cached: attribute keys and span names repeat)."""
+    found = _keys.get(text)
+    if found is None:
+        found = orjson.dumps(text)
+        if len(_keys) < _MAX_FRAGMENTS:
+            _keys[text] = found
+    return found
+
+
+def _float(v: float) -> bytes:
+    # OTLP/JSON: a double is a JSON number; NaN and infinities as the strings proto3 uses.
+    if math.isfinite(v):
+        return repr(v).encode()
+    return b'"NaN"' if v != v else (b'"Infinity"' if v > 0 else b'"-Infinity"')
+
+
+def _fragment(key: str, v: Any) -> bytes:
+    """One attribute's `{"key":...,"value":...}` object (`null` for a value of no OTLP type:
+    never recorded, as the span's attributes are built by this module)."""
+    found = _json_attrs({key: v})
+    return orjson.dumps(found[0] if found else {"key": key, "value": {}})
 
 
 def _json_attrs(attrs: Mapping[str, Any]) -> list[dict[str, Any]]:
