@@ -841,3 +841,55 @@ async def test_body_framed_by_close_and_reset_mid_body(
         assert await resp.readany() == b"partial"
         with pytest.raises(ConnectionResetError):
             await resp.readany()
+
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def _sse_chunks(*events: bytes) -> bytes:
+    return b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in events)
+
+
+async def _relay_until_done(c: Client) -> tuple[bool, list[bytes]]:
+    """A stream relayed the gateway's way: the sink stops at `[DONE]`."""
+    resp = await c.request(c.head("POST", "/v1/x", "Content-Type: application/json\r\n"), b"x")
+    got: list[bytes] = []
+
+    def sink(data: bytes) -> bool:
+        got.append(data)
+        return b"[DONE]" not in b"".join(got)
+
+    async def drain() -> None:
+        return None
+
+    ended = await resp.relay(sink, drain)
+    if resp.is_eof():
+        resp.release()
+    else:
+        resp.close()
+    return ended, got
+
+
+async def test_a_relay_stopped_at_the_body_end_keeps_the_connection(
+    client_factory: Callable[[int], Client],
+) -> None:
+    """A token stream whose `[DONE]` comes with the last chunk (vLLM, OpenAI): the sink stops
+    there, nothing is left unread, so the connection is reused by the next stream instead of
+    a new TCP connection (and its setup) per stream. A sink that stops before the body ended
+    still cuts the connection: the upstream must stop working."""
+    whole = SSE_HEAD + _sse_chunks(b'data: {"a":1}\n\n', b"data: [DONE]\n\n") + b"0\r\n\r\n"
+    async with RawServer([whole]) as srv:
+        c = client_factory(srv.port)
+        for _ in range(3):
+            ended, got = await _relay_until_done(c)
+            assert b"".join(got).endswith(b"data: [DONE]\n\n")
+            assert not ended  # the sink stopped it (at the end)
+        assert srv.connections == 1
+    # `[DONE]` with more of the body still to come (no last chunk yet): cut.
+    unfinished = SSE_HEAD + _sse_chunks(b"data: [DONE]\n\n")
+    async with RawServer([unfinished, whole]) as srv:
+        c = client_factory(srv.port)
+        await _relay_until_done(c)
+        ended, got = await _relay_until_done(c)
+        assert b"".join(got).endswith(b"data: [DONE]\n\n")
+        assert srv.connections == 2

@@ -461,7 +461,12 @@ class _Conn(asyncio.Protocol):
         if not more:
             self._sink = None
             self._sink_stopped = True
-            self.abort()
+            if self._sink_error is not None or not self._complete:
+                # The upstream is still sending (or sent what we refuse): cut it.
+                self.abort()
+            # Else the sink stopped at the body's very end (a stream's `[DONE]` came with the
+            # last chunk): nothing is lost, and the connection stays reusable (released by
+            # the response's owner, like any complete response).
 
     def _broken(self, why: str) -> None:
         """The parser stopped. After a complete response the response stands but the
@@ -607,7 +612,8 @@ class Response:
     ) -> bool:
         """Hands the rest of the body to `sink` as it arrives, straight from the protocol
         callback: no task switch and no future per piece (a token stream's hot path). `sink`
-        returns False to stop (the connection is then lost: the upstream stops working) and
+        returns False to stop (the connection is then lost, so the upstream stops working,
+        unless the body had already ended: then it stays reusable) and
         may call `pause_reading` when its own output backs up; `drain` is then awaited before
         reading resumes. Returns True when the body ended, False when the sink stopped;
         raises what the connection or the sink raised."""

@@ -103,6 +103,22 @@ class SseChecker:
         self.error_seen = False
         if self.done:
             return b""
+        if (
+            not self._pending
+            and chunk[:5] == b"data:"
+            and chunk.find(b"\n") == len(chunk) - 2
+            and chunk[-1:] == b"\n"
+        ):
+            # The common piece of a token stream: exactly one complete one-line `data:` event
+            # (`data: {...}\n\n`; the only line feeds are its blank line). Checked like any
+            # event, without the splitting `_check_all` does.
+            if len(chunk) - 2 > self.max_event_bytes:
+                raise EventTooLarge(
+                    f"a stream event exceeded limits.max_event_bytes ({self.max_event_bytes})"
+                )
+            if self._data(chunk[5:-2].strip()):
+                self.done = True
+            return chunk
         if self._pending:
             shift = len(self._last)
             end = _boundary_end(self._last + chunk[:3]) if shift else -1
@@ -152,8 +168,12 @@ class SseChecker:
         """Checks complete events; returns them, cut after `[DONE]` if it is among them."""
         text = events.replace(b"\r\n", b"\n") if b"\r" in events else events
         offset = 0
+        bound = self.max_event_bytes
         for event in text.split(b"\n\n"):
             offset += len(event) + 2
+            if len(event) > bound:
+                # SPEC §16: a complete event is bounded too, not only one still arriving.
+                raise EventTooLarge(f"a stream event exceeded limits.max_event_bytes ({bound})")
             if event and self._check(event):
                 self.done = True
                 if text is events:
@@ -170,24 +190,30 @@ class SseChecker:
                 continue  # comments and the other SSE fields pass as they are
             else:
                 raise MalformedEvent("a stream line was not an SSE field")
-            self.data_events += 1
-            if payload == b"[DONE]":
+            if self._data(payload):
                 return True
-            try:
-                # The whole payload's syntax is checked; only `usage` and `error` become
-                # Python objects (the choices are skipped, which is most of the cost saved).
-                obj = (_event if self.finish_reasons is None else _traced_event).decode(payload)
-            except msgspec.ValidationError:
-                continue  # JSON, but not an object: nothing for us in it
-            except msgspec.DecodeError:
-                raise MalformedEvent("a stream event was not JSON") from None
-            if obj.usage:
-                self.usage = obj.usage
-            if isinstance(obj, _TracedEvent) and obj.choices:
-                add_reasons(self.finish_reasons, (c.finish_reason for c in obj.choices))
-            if obj.error is not None:
-                err = obj.error
-                msg = err.get("message") if isinstance(err, dict) else err
-                self.upstream_error = str(msg)[:200]
-                self.error_seen = True
+        return False
+
+    def _data(self, payload: bytes) -> bool:
+        """Validates one `data:` payload (stripped); True when it is `[DONE]`."""
+        self.data_events += 1
+        if payload == b"[DONE]":
+            return True
+        try:
+            # The whole payload's syntax is checked; only `usage` and `error` become
+            # Python objects (the choices are skipped, which is most of the cost saved).
+            obj = (_event if self.finish_reasons is None else _traced_event).decode(payload)
+        except msgspec.ValidationError:
+            return False  # JSON, but not an object: nothing for us in it
+        except msgspec.DecodeError:
+            raise MalformedEvent("a stream event was not JSON") from None
+        if obj.usage:
+            self.usage = obj.usage
+        if isinstance(obj, _TracedEvent) and obj.choices:
+            add_reasons(self.finish_reasons, (c.finish_reason for c in obj.choices))
+        if obj.error is not None:
+            err = obj.error
+            msg = err.get("message") if isinstance(err, dict) else err
+            self.upstream_error = str(msg)[:200]
+            self.error_seen = True
         return False
