@@ -843,7 +843,9 @@ async def test_body_framed_by_close_and_reset_mid_body(
             await resp.readany()
 
 
-SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
 
 
 def _sse_chunks(*events: bytes) -> bytes:
