@@ -25,9 +25,22 @@ from openai.types import Batch
 from gateway.batch import api as batch_api
 from gateway.batch import runner as batch_runner
 from gateway.batch.records import answer_record, inspect
-from gateway.batch.runner import Verdict, retry_after_s, verdict
+from gateway.batch.runner import Verdict, verdict
 from gateway.config import parse_config
+from gateway.errors import (
+    Draining,
+    InvalidRequest,
+    ModelNotFound,
+    NoHealthyInstance,
+    Overloaded,
+    QueueFull,
+    QueueTimeout,
+    RateLimited,
+    UpstreamFailed,
+    UpstreamRateLimited,
+)
 from gateway.events import GatewayEvent, RequestFinished
+from gateway.outcome import Answered, Outcome, Refused
 from gateway.server import Server
 from gateway.sim.mock import MockServer
 from support import GatewayFactory, MockFactory, RunningGateway, eventually, pool_config
@@ -800,32 +813,38 @@ async def test_realtime_keeps_its_wait_while_a_2000_line_batch_runs(
 
 
 @pytest.mark.parametrize(
-    ("status", "body", "expected"),
+    ("outcome", "expected"),
     [
-        (200, b"{}", Verdict.DONE),
-        (400, b'{"error":{"code":"invalid_request"}}', Verdict.DONE),
-        (404, b'{"error":{"code":"model_not_found"}}', Verdict.DONE),
-        (429, b'{"error":{"code":"rate_limited","message":"retry after 850ms."}}', Verdict.LATER),
-        (503, b'{"error":{"code":"queue_full"}}', Verdict.LATER),
-        (503, b'{"error":{"code":"overloaded"}}', Verdict.LATER),
-        (503, b'{"error":{"code":"draining"}}', Verdict.STOP),
-        (503, b'{"error":{"code":"no_healthy_instance"}}', Verdict.RETRY),
+        (Answered(200, b"{}"), Verdict.DONE),
+        (Answered(400, b'{"error":{"code":"invalid_request"}}'), Verdict.DONE),
+        (Refused.of(ModelNotFound("no such model")), Verdict.DONE),
+        (Refused.of(InvalidRequest("bad")), Verdict.DONE),
+        (Refused.of(RateLimited("over", retry_after_ms=850)), Verdict.LATER),
+        (Refused.of(UpstreamRateLimited("quota", retry_after_ms=7000)), Verdict.LATER),
+        (Refused.of(QueueFull("full")), Verdict.LATER),
+        (Refused.of(Overloaded("busy")), Verdict.LATER),
+        (Refused.of(Draining("bye")), Verdict.STOP),
+        (Refused.of(NoHealthyInstance("none")), Verdict.RETRY),
         # SPEC §14: never failed with queue_timeout while the window is open: queued again
-        (503, b'{"error":{"code":"queue_timeout"}}', Verdict.LATER),
-        (502, b"not json", Verdict.RETRY),
-        (504, b"{}", Verdict.RETRY),
-        (408, b"{}", Verdict.RETRY),
+        (Refused.of(QueueTimeout("waited")), Verdict.LATER),
+        (Refused.of(UpstreamFailed("bad gateway")), Verdict.RETRY),
+        (Answered(502, b"not json"), Verdict.RETRY),
+        (Answered(504, b"{}"), Verdict.RETRY),
+        (Answered(408, b"{}"), Verdict.RETRY),
+        (Answered(429, b"{}"), Verdict.RETRY),
     ],
 )
-def test_verdicts(status: int, body: bytes, expected: Verdict) -> None:
-    assert verdict(status, body)[0] is expected
+def test_verdicts(outcome: Outcome, expected: Verdict) -> None:
+    assert verdict(outcome)[0] is expected
 
 
-def test_the_limiters_retry_after_is_read() -> None:
-    assert retry_after_s("Rate limit reached for requests; retry after 850ms.") == 0.85
-    assert retry_after_s("retry after 2s.") == 2
-    assert retry_after_s("retry after 6m0s.") == 360
-    assert retry_after_s("something else") == 1.0
+def test_the_limiters_wait_is_read_from_the_refusal_not_its_text() -> None:
+    # The wait comes from the domain error's `retry_after_ms`, whatever its message says.
+    limited = Refused.of(RateLimited("Rate limit reached; retry after 2s.", retry_after_ms=850))
+    assert verdict(limited) == (Verdict.LATER, 0.85)
+    assert limited.status == 429 and limited.code == "rate_limited"
+    assert b'"code":"rate_limited"' in limited.body
+    assert verdict(Refused.of(RateLimited("no wait named"))) == (Verdict.LATER, 1.0)
 
 
 def test_records_are_json_whatever_the_body() -> None:

@@ -54,6 +54,7 @@ from gateway.forward import AttemptError, Forwarder, UpstreamBody, earliest_try_
 from gateway.limits import estimate_tokens
 from gateway.messages import ENDPOINTS, Endpoint, parse_request
 from gateway.metrics import NO_KEY, Metrics
+from gateway.outcome import Answered, Outcome, Refused
 from gateway.pool import Pool
 from gateway.redact import REDACTOR, secrets_of
 from gateway.responses import NOSNIFF, answer_of, error_response
@@ -399,11 +400,12 @@ class Gateway:
         request_id: str,
         priority: str = "low",
         seen: list[Exchange] | None = None,
-    ) -> tuple[int, bytes]:
+    ) -> Outcome:
         """Serves one request from inside the process (a Batch API line, SPEC §14): the same
         validation, routing, scheduling, retries, health, key limits and accounting as an HTTP
-        request, at `priority` (low: the key's default priority does not raise it), never
-        streamed. Returns the HTTP status and body the client would have seen."""
+        request (`_route`, the path `proxy` takes), at `priority` (low: the key's default
+        priority does not raise it), never streamed. Returns what happened as a value: the
+        upstream's answer, or the gateway's refusal with its domain error (`Executor`)."""
         ticket = self.runtime.next_ticket()
         loop = self._loop
         if loop is None:
@@ -417,7 +419,7 @@ class Gateway:
             ex.span = self.tracing.request({}, "/v1" + endpoint.path)
             ex.trace_id = ex.span.trace_id
         ex.key_name = tenant.name if tenant.index else None
-        resp: web.StreamResponse
+        outcome: Outcome
         try:
             if self.refusing:
                 raise _draining("The gateway is shutting down.")
@@ -426,19 +428,20 @@ class Gateway:
                 raise InvalidRequest("Batch requests cannot stream.", param="stream")
             headers = {"X-Priority": priority}
             resp = await self._route(None, headers, ex, endpoint, ticket, tenant, data)
+            body = resp.body if isinstance(resp, web.Response) else b""
+            outcome = Answered(resp.status, body if isinstance(body, bytes) else b"", ex.usage)
         except (RequestError, QueueFull, NoHealthyInstance) as err:
-            ex.status, ex.error, _ = answer_of(err)
+            outcome = Refused.of(err)
+            ex.status, ex.error = outcome.status, outcome.code
             self.metrics.rejected(ex.error)
-            resp = error_response(err)
         except Exception:
             log.exception("unhandled error", extra={"fields": {"id": ex.request_id}})
-            ex.status, ex.error = 500, "internal_error"
-            resp = error_response(InternalError("Internal gateway error."))
-        ex.status = ex.status or resp.status
+            outcome = Refused.of(InternalError("Internal gateway error."))
+            ex.status, ex.error = outcome.status, outcome.code
+        ex.status = ex.status or outcome.status
         self._observe(ex)
         self._log(ex)
-        body = resp.body if isinstance(resp, web.Response) else b""
-        return resp.status, body if isinstance(body, bytes) else b""
+        return outcome
 
     async def _route(
         self,

@@ -1,4 +1,4 @@
-"""The executor: validates new batches, then feeds their lines through `Gateway.call`.
+"""The executor: validates new batches, then feeds their lines through `Executor.call`.
 
 SPEC §14: "Each line goes through the same routing, scheduling, retries and health as a live
 request, as **low** priority (a key's default priority does not raise it), fed into the low
@@ -21,7 +21,7 @@ a batch."
 - **One pump, group commits.** A single task (`_pump`) hands finished lines to the store and
   leases the next ones in one transaction (`Store.exchange`) every `FLUSH_S` (50 ms), at
   `FLUSH_MAX` (100) results, or as soon as a batch has half its slots free.
-- **Retries.** `Gateway.call` already retries an attempt on other instances and the fallback
+- **Retries.** `Executor.call` already retries an attempt on other instances and the fallback
   pool; on top of that a line that ends 408, 429 or 5xx is retried `MAX_LINE_RETRIES` times
   with exponential backoff and jitter, then written to the error file with the upstream's
   status. A 429 from the owner's own RPM/TPM limit is not a failure: the owner's lines wait
@@ -29,7 +29,7 @@ a batch."
   do lines refused because the gateway itself is full (`queue_full`, `overloaded`).
 - **Cancel** (`cancelling` → `cancelled`), SPEC §14 "Cancel is prompt": every line of the
   batch not yet sent upstream — queued in the core, backing off, waiting for a rate limit — is
-  withdrawn at once (its task cancelled; `Gateway.call` hands back the exchange, so the runner
+  withdrawn at once (its task cancelled; `Executor.call` hands back the exchange, so the runner
   sees whether an attempt started); lines already sent finish and keep their results, no retry
   is made; then its leases are released and the batch finalized with the results it has; the
   lines never answered go to the error file as `batch_cancelled`. **Expiry** (`expires_at`,
@@ -55,14 +55,11 @@ import contextlib
 import enum
 import logging
 import random
-import re
 import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
-
-import msgspec
 
 from gateway.auth import KeyRing, Tenant
 from gateway.batch import owners
@@ -70,7 +67,16 @@ from gateway.batch.faults import classify
 from gateway.batch.records import answer_record, line_id
 from gateway.batch.store import BatchRow, Claimed, LineResult, Store, new_id, now_s
 from gateway.batch.validate import Checked, LineError, Rules, check_file
+from gateway.errors import (
+    DEFAULT_RETRY_AFTER_MS,
+    Draining,
+    Overloaded,
+    QueueFull,
+    QueueTimeout,
+    RateLimited,
+)
 from gateway.messages import ENDPOINTS, Endpoint
+from gateway.outcome import Answered, Outcome, Refused
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -107,53 +113,25 @@ class Verdict(enum.Enum):
     STOP = "stop"  # the gateway is draining: leave the line for the next start
 
 
-class _Code(msgspec.Struct):
-    code: str | int | None = None
-    message: str | None = None
-
-
-class _Body(msgspec.Struct):
-    error: _Code | None = None
-
-
-_error_body = msgspec.json.Decoder(_Body)
-_RESET = re.compile(r"retry after (?:(\d+)ms|(?:(\d+)m)?(\d+)s)")
-
-
-def _error(body: bytes) -> _Code:
-    try:
-        err = _error_body.decode(body).error
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return _Code()
-    return err if err is not None else _Code()
-
-
-def retry_after_s(message: str | None) -> float:
-    """The wait the gateway's own 429 names ("retry after 850ms", "1s", "6m0s"), else 1 s."""
-    m = _RESET.search(message or "")
-    if m is None:
-        return 1.0
-    if m.group(1) is not None:
-        return int(m.group(1)) / 1000
-    return int(m.group(2) or 0) * 60 + int(m.group(3))
-
-
-def verdict(status: int, body: bytes) -> tuple[Verdict, float]:
-    """What to do with an answer of `Gateway.call`, and how long to wait first."""
-    if 200 <= status < 300:
-        return Verdict.DONE, 0.0
-    if status in (429, 503):
-        err = _error(body)
-        if status == 429 and err.code == "rate_limited":
-            return Verdict.LATER, retry_after_s(err.message)
-        if err.code in ("queue_full", "overloaded"):
-            return Verdict.LATER, BUSY_WAIT_S
-        if err.code == "queue_timeout":
-            # SPEC §14: "a batch line never fails with `queue_timeout` while its window is
-            # open": it is queued again (the window's end is the runner's expiry).
-            return Verdict.LATER, 0.0
-        if err.code == "draining":
-            return Verdict.STOP, 0.0
+def verdict(outcome: Outcome) -> tuple[Verdict, float]:
+    """What to do with an outcome of `Executor.call`, and how long to wait first (read from
+    the typed outcome: the refusal's domain error and the wait it names, never its text)."""
+    status = outcome.status
+    if isinstance(outcome, Answered):
+        if 200 <= status < 300:
+            return Verdict.DONE, 0.0
+        return (Verdict.RETRY if status in (408, 429) or status >= 500 else Verdict.DONE), 0.0
+    err = outcome.error
+    if isinstance(err, RateLimited):  # the owner's RPM/TPM limit, or the upstreams' quota
+        return Verdict.LATER, (outcome.retry_after_ms or DEFAULT_RETRY_AFTER_MS) / 1000
+    if isinstance(err, (QueueFull, Overloaded)):
+        return Verdict.LATER, BUSY_WAIT_S
+    if isinstance(err, QueueTimeout):
+        # SPEC §14: "a batch line never fails with `queue_timeout` while its window is
+        # open": it is queued again (the window's end is the runner's expiry).
+        return Verdict.LATER, 0.0
+    if isinstance(err, Draining):
+        return Verdict.STOP, 0.0
     if status in (408, 429) or status >= 500:
         return Verdict.RETRY, 0.0
     return Verdict.DONE, 0.0
@@ -780,22 +758,21 @@ class Runner:
                 continue
             tries += 1
             request_id = f"{out_id}-{line.attempt}-{tries}"
-            answer = await self._call(run, tenant, line.body, request_id, seen)
-            if answer is None:
+            outcome = await self._call(run, tenant, line.body, request_id, seen)
+            if outcome is None:
                 return None
-            status, body = answer
-            what, wait = verdict(status, body)
+            what, wait = verdict(outcome)
             if what is Verdict.STOP:
                 # The gateway is draining: this process stops feeding lines in a moment.
                 await self._nap(run, TICK_S)
                 continue
             if what is Verdict.DONE or (what is Verdict.RETRY and retries >= MAX_LINE_RETRIES):
-                return _result(run, line, out_id, status, request_id, body)
+                return _result(run, line, out_id, outcome.status, request_id, outcome.body)
             if what is Verdict.RETRY:
                 retries += 1
                 self.gw.metrics.batch_line_retry()
                 wait = backoff_s(retries)
-            elif status == 429:
+            elif isinstance(outcome, Refused) and isinstance(outcome.error, RateLimited):
                 self._hold(run.row.owner, wait)
                 continue
             await self._nap(run, wait * random.uniform(1.0, 1.2))
@@ -803,8 +780,8 @@ class Runner:
 
     async def _call(
         self, run: _Run, tenant: Tenant, body: bytes, request_id: str, seen: list[Exchange]
-    ) -> tuple[int, bytes] | None:
-        """`Gateway.call` at low priority; while the owner is held back by its rate limit,
+    ) -> Outcome | None:
+        """`Executor.call` at low priority; while the owner is held back by its rate limit,
         one line at a time waits for the hold to end and probes."""
         assert run.endpoint is not None
         loop = asyncio.get_running_loop()
