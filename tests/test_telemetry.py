@@ -161,7 +161,7 @@ async def test_tracing_needs_no_opentelemetry_package(
 ) -> None:
     """The exporter is the gateway's own (OTLP/HTTP in its JSON encoding): with every
     OpenTelemetry module unimportable, spans still reach the collector, as JSON, with the
-    headers of `OTEL_EXPORTER_OTLP_HEADERS`."""
+    headers of `OTEL_EXPORTER_OTLP_HEADERS` and the endpoint URL's credentials."""
     for name in [m for m in sys.modules if m.startswith("opentelemetry")] + [
         "opentelemetry",
         "opentelemetry.sdk",
@@ -169,7 +169,8 @@ async def test_tracing_needs_no_opentelemetry_package(
     ]:
         monkeypatch.setitem(sys.modules, name, None)  # an import of it raises ImportError
     env = {"OTEL_EXPORTER_OTLP_HEADERS": "x-team=gw%20one,broken"}
-    t = telemetry.setup(_config(otlp_endpoint=otlp.url, service_name="svc"), env=env)
+    endpoint = otlp.url.replace("http://", "http://user:p%40ss@")  # credentials in the URL
+    t = telemetry.setup(_config(otlp_endpoint=endpoint, service_name="svc"), env=env)
     assert t is not None
     try:
         span = t.request({}, "/v1/chat/completions")
@@ -179,6 +180,8 @@ async def test_tracing_needs_no_opentelemetry_package(
         assert got.trace_id == span.trace_id and got.resource["service.name"] == "svc"
         assert otlp.content_types == ["application/json"]
         assert otlp.headers[-1].get("x-team") == "gw one"
+        # HTTP Basic from the URL's credentials: base64 of "user:p@ss"
+        assert otlp.headers[-1].get("authorization") == "Basic dXNlcjpwQHNz"
     finally:
         t.shutdown()
 

@@ -76,6 +76,7 @@ How the gateway uses it (each call behind `if ... is not None`):
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import http.client
 import logging
@@ -537,6 +538,13 @@ class _Sender:
         self._port = parts.port or (443 if self._https else 80)
         self._path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         self._headers = {**headers, "Content-Type": "application/json"}
+        if parts.username is not None and not any(
+            k.lower() == "authorization" for k in self._headers
+        ):
+            # A collector URL with credentials (`https://user:token@host`): HTTP Basic, as
+            # the SDK's exporter (requests) sent them.
+            cred = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+            self._headers["Authorization"] = "Basic " + base64.b64encode(cred.encode()).decode()
         self._conn: http.client.HTTPConnection | None = None
 
     def _connect(self) -> http.client.HTTPConnection:
