@@ -27,6 +27,7 @@ from gateway.admin import Admin
 from gateway.affinity import affinity_placement
 from gateway.auth import KeyRing, Tenant
 from gateway.batch import BATCH_PATHS, BatchService
+from gateway.batch.ports import BatchPorts
 from gateway.batch.relay import BatchRelay, is_batch_path
 from gateway.config import Config
 from gateway.deadline import Watchdog
@@ -181,7 +182,7 @@ class Gateway:
         self.metrics.keep_keys(t.name for t in self.keys.tenants)
         self.metrics.exemplars = config.telemetry.exemplars
         # SPEC §14: the Batch API (`/v1/files`, `/v1/batches`; ids matched in `handle`).
-        self.batch = BatchService(self)
+        self.batch = BatchService(BatchPorts(self, lambda: self.keys, self.runtime, self.metrics))
         self._routes.update(self.batch.api.routes())
         # SPEC §12: in a worker other than the Batch API's home, its requests are relayed.
         self.batch_relay: BatchRelay | None = None

@@ -218,19 +218,19 @@ class BatchApi:
 
     async def _open(self, request: web.BaseRequest) -> tuple[owners.Principal, Store | None]:
         """The caller, and the store if it exists (reads do not create it)."""
-        who = owners.principal(self.service.gw.keys, request.headers)
+        who = owners.principal(self.service.ports.keys(), request.headers)
         return who, await self.service.existing()
 
     # ---- files -----------------------------------------------------------------------------
 
     async def create_file(self, request: web.BaseRequest) -> web.StreamResponse:
-        who = owners.principal(self.service.gw.keys, request.headers)
+        who = owners.principal(self.service.ports.keys(), request.headers)
         mime = request.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
         if mime != "multipart/form-data":
             raise InvalidRequest(
                 "Upload the file as multipart/form-data with the fields 'file' and 'purpose'."
             )
-        cfg = self.service.gw.runtime.config.batch
+        cfg = self.service.ports.settings.config.batch
         limit = cfg.max_file_bytes
         if request.content_length is not None and request.content_length > limit + _MULTIPART_SLACK:
             raise _too_large(limit)
@@ -297,7 +297,7 @@ class BatchApi:
     # ---- batches ---------------------------------------------------------------------------
 
     async def create_batch(self, request: web.BaseRequest) -> web.StreamResponse:
-        who = owners.principal(self.service.gw.keys, request.headers)
+        who = owners.principal(self.service.ports.keys(), request.headers)
         spec = _decode_create(await _read_json(request))
         store = await self.service.existing()
         source = None

@@ -79,7 +79,7 @@ from gateway.messages import ENDPOINTS, Endpoint
 from gateway.outcome import Answered, Outcome, Refused
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
+    from gateway.batch.ports import BatchPorts
     from gateway.exchange import Exchange
 
 __all__ = ["Runner"]
@@ -217,12 +217,12 @@ class Runner:
 
     def __init__(
         self,
-        gateway: Gateway,
+        ports: BatchPorts,
         store: Store,
         on_status: OnStatus,
         on_counts: OnCounts | None = None,
     ) -> None:
-        self.gw = gateway
+        self.ports = ports
         self.store = store
         self.on_status = on_status
         self.on_counts = on_counts
@@ -391,13 +391,13 @@ class Runner:
         if not await self.store.call(db.claim_validation, row.seq):
             self._runs.pop(row.seq, None)  # a live peer validates it
             return
-        base = owners.base_tenant(self.gw.keys, row.owner)
-        cfg = self.gw.runtime.config
+        base = owners.base_tenant(self.ports.keys(), row.owner)
+        cfg = self.ports.settings.config
         assert run.endpoint is not None  # the API admits only served endpoints
         rules = Rules(
             url=row.endpoint,
             endpoint=run.endpoint,
-            models=owners.allowed_models(self.gw.runtime.router, base),
+            models=owners.allowed_models(self.ports.settings.router, base),
             max_lines=cfg.batch.max_lines,
             max_body_bytes=cfg.max_body_bytes,
         )
@@ -487,7 +487,7 @@ class Runner:
 
     def _limits(self) -> tuple[int, int]:
         """(lines one batch may hold, lines all batches may hold)."""
-        cfg = self.gw.runtime.config
+        cfg = self.ports.settings.config
         half_low = max(1, cfg.scheduler.low.capacity // 2)
         per_batch = min(cfg.batch.in_flight_per_batch, half_low)
         return per_batch, max(per_batch, half_low)
@@ -532,7 +532,7 @@ class Runner:
             run = self._runs.get(r.batch_seq)
             if run is not None:
                 run.awaiting -= 1
-        metrics = self.gw.metrics
+        metrics = self.ports.metrics
         for r in applied:
             run = self._runs.get(r.batch_seq)
             if run is not None:
@@ -576,7 +576,7 @@ class Runner:
             self.on_status(old, "finalizing")
             run.status = old = "finalizing"
         loop = asyncio.get_running_loop()
-        ttl = self.gw.runtime.config.batch.output_ttl
+        ttl = self.ports.settings.config.batch.output_ttl
         db = self.store.db
         try:
             if final != "completed":  # this replica's leases of a halted batch end here
@@ -770,7 +770,7 @@ class Runner:
                 return _result(run, line, out_id, outcome.status, request_id, outcome.body)
             if what is Verdict.RETRY:
                 retries += 1
-                self.gw.metrics.batch_line_retry()
+                self.ports.metrics.batch_line_retry()
                 wait = backoff_s(retries)
             elif isinstance(outcome, Refused) and isinstance(outcome.error, RateLimited):
                 self._hold(run.row.owner, wait)
@@ -792,10 +792,12 @@ class Runner:
                 if wait > 0:
                     if not await self._nap(run, wait):
                         return None
-                    return await self.gw.call(
+                    return await self.ports.executor.call(
                         run.endpoint, body, tenant, request_id=request_id, seen=seen
                     )
-        return await self.gw.call(run.endpoint, body, tenant, request_id=request_id, seen=seen)
+        return await self.ports.executor.call(
+            run.endpoint, body, tenant, request_id=request_id, seen=seen
+        )
 
     def _hold(self, owner: str, seconds: float) -> None:
         throttle = self._throttles.setdefault(owner, _Throttle())
@@ -811,7 +813,7 @@ class Runner:
     def _tenant(self, run: _Run) -> Tenant | None:
         """The owner's tenant under the owner's batch fair-queue index (re-read after a
         reload: the owner's limits and aliases are the current ones)."""
-        keys = self.gw.keys
+        keys = self.ports.keys()
         if run.ring is not keys:
             base = owners.base_tenant(keys, run.row.owner)
             run.tenant = None if base is None else owners.batch_tenant(base, run.row.owner)

@@ -34,7 +34,7 @@ from gateway.batch.runner import Runner
 from gateway.batch.store import STATUSES, BatchRow, SchemaTooNew, SqliteStore, Store
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
+    from gateway.batch.ports import BatchPorts
 
 __all__ = ["BatchService", "StoreUnavailable"]
 
@@ -53,8 +53,8 @@ def is_postgres(store: str) -> bool:
 class BatchService:
     """Files and batches of one gateway (SPEC §14)."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gw = gateway
+    def __init__(self, ports: BatchPorts) -> None:
+        self.ports = ports
         self.store: Store | None = None
         self.runner: Runner | None = None
         self.counts: dict[str, int] = dict.fromkeys(STATUSES, 0)
@@ -62,16 +62,16 @@ class BatchService:
         self._lock_file: IO[bytes] | None = None
         self._closed = False
         self.api = BatchApi(self)
-        gateway.metrics.watch_batches(lambda: self.counts)
+        ports.metrics.watch_batches(lambda: self.counts)
 
     @property
     def path(self) -> str:
-        return self.gw.runtime.config.batch.store
+        return self.ports.settings.config.batch.store
 
     async def start(self) -> None:
         """Resumes the unfinished batches of an existing store (a PostgreSQL store is always
         opened: this replica runs lines and takes over a dead peer's)."""
-        if self.gw.runtime.config.cluster is not None and not is_postgres(self.path):
+        if self.ports.settings.config.cluster is not None and not is_postgres(self.path):
             # SPEC §14: "`cluster:` with a SQLite store serves batches per host and says so".
             log.warning(
                 "batch.store is a SQLite file: each replica serves its own batches "
@@ -140,7 +140,7 @@ class BatchService:
             ) from exc
         self.counts = dict.fromkeys(STATUSES, 0) | counts
         self.store = store
-        self.runner = Runner(self.gw, store, self.transition, self._recount)
+        self.runner = Runner(self.ports, store, self.transition, self._recount)
         self.runner.start(unfinished)
         if unfinished:
             log.info("batches resumed", extra={"fields": {"batches": len(unfinished)}})
