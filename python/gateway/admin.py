@@ -4,38 +4,61 @@ reaches into a pool's core."""
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 from aiohttp import web
 
 from gateway import __version__
-from gateway.auth import KeyRing, bearer
-from gateway.config import load_config
+from gateway.auth import bearer
 from gateway.dashboard import render as render_dashboard
-from gateway.errors import ConfigError, InvalidConfig, Unauthorized
+from gateway.errors import InvalidConfig, Unauthorized
 from gateway.pool import InstanceSnapshot, PoolSnapshot, now_ms
-from gateway.redact import REDACTOR, secrets_of
-from gateway.workers import link
+from gateway.redact import REDACTOR
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
+    from gateway.auth import KeyRing
     from gateway.cluster.node import ClusterNode
+    from gateway.config import Config
+    from gateway.metrics import Metrics
+    from gateway.pool import Pool
 
-__all__ = ["Admin"]
+__all__ = ["Admin", "Reloader", "Snapshots"]
 
 
-def _workers_doc() -> dict[str, Any]:
-    """SPEC §12: which worker answered, of how many (absent for a single process)."""
-    worker = link()
-    if worker is None:
-        return {}
-    return {"worker": worker.slot, "workers": worker.workers}
+class Snapshots(Protocol):
+    """What the admin routes read of the running gateway (the `Gateway` is one)."""
+
+    @property
+    def draining(self) -> bool: ...
+
+    @property
+    def buffered_bytes(self) -> int: ...
+
+    @property
+    def keys(self) -> KeyRing: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    def config(self) -> Config: ...
+
+    def pools(self) -> Mapping[str, Pool]: ...
+
+    def batches(self) -> tuple[dict[str, int], list[dict[str, Any]]]: ...
+
+
+class Reloader(Protocol):
+    """Who re-reads the config (the `Server`, the composition root)."""
+
+    async def reload(self, *, everywhere: bool = False) -> tuple[bool, str, list[str]]:
+        """Applies the config file if entirely valid: (applied, message, notes). With
+        `everywhere`, the other workers reload too (SPEC §12)."""
+        ...
 
 
 log = logging.getLogger("gateway")
@@ -46,8 +69,17 @@ _JSON = "application/json"
 class Admin:
     """The admin routes of one gateway."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gw = gateway
+    def __init__(
+        self,
+        snapshots: Snapshots,
+        reloader: Reloader,
+        *,
+        worker: tuple[int, int] | None = None,
+    ) -> None:
+        self.snapshots = snapshots
+        self.reloader = reloader
+        #: SPEC §12: (which worker this is, of how many); None for a single process.
+        self.worker = worker
         #: SPEC §13: this replica's cluster membership (set by `Server`; None: cluster off).
         self.cluster: ClusterNode | None = None
 
@@ -68,12 +100,12 @@ class Admin:
     def ready(self) -> tuple[bool, str]:
         """SPEC §7: ready once config is loaded, at least one instance per pool is not
         ejected, and not draining."""
-        if self.gw.draining:
+        if self.snapshots.draining:
             return False, "draining"
         if self.cluster is not None and not self.cluster.joined:
             return False, "no cluster lease yet (Redis not reached since start)"
         now = now_ms()
-        for name, pool in self.gw.runtime.pools.items():
+        for name, pool in self.snapshots.pools().items():
             if not pool.snapshot(now).ready:
                 return False, f"every instance of pool {name} is ejected"
         return True, "ready"
@@ -91,9 +123,9 @@ class Admin:
         now = now_ms()
         # Monotonic core times become Unix times for people.
         offset = time.time() - now / 1000
-        sched = self.gw.runtime.config.scheduler
+        sched = self.snapshots.config().scheduler
         pools: dict[str, Any] = {}
-        for name, pool in self.gw.runtime.pools.items():
+        for name, pool in self.snapshots.pools().items():
             snap = pool.snapshot(now)
             pools[name] = _pool_doc(snap, offset) | {
                 "queue_capacity": {"high": sched.high.capacity, "low": sched.low.capacity},
@@ -101,66 +133,34 @@ class Admin:
                 "spill_to": pool.spec.spill_to,
             }
         # SPEC §14: batches per status, and the ones being worked on with their progress.
-        batches, running = self.gw.batch.state()
+        batches, running = self.snapshots.batches()
         return {
             "pools": pools,
             "batches": batches,
             "running_batches": running,
-            "buffered_bytes": self.gw.buffered_bytes,
-            "draining": self.gw.draining,
+            "buffered_bytes": self.snapshots.buffered_bytes,
+            "draining": self.snapshots.draining,
             **({"cluster": self.cluster.state()} if self.cluster is not None else {}),
-            **_workers_doc(),
+            # SPEC §12: which worker answered, of how many (absent for a single process).
+            **(
+                {"worker": self.worker[0], "workers": self.worker[1]}
+                if self.worker is not None
+                else {}
+            ),
             "version": __version__,
             "now": round(time.time(), 3),
         }
 
     async def admin_state(self, request: web.BaseRequest) -> web.StreamResponse:
-        self.gw.keys.authenticate_admin(request.headers)
+        self.snapshots.keys.authenticate_admin(request.headers)
         return web.Response(body=orjson.dumps(self.state()), content_type=_JSON)
 
-    async def reload(self) -> tuple[bool, str, list[str]]:
-        """Re-reads the config file; applies it only if it is entirely valid (SPEC §8).
-        Returns (applied, message, notes); on failure the running config stays."""
-        gw = self.gw
-        if gw.config_path is None:
-            return False, "the gateway was not started from a config file", []
-        try:
-            config = await asyncio.to_thread(load_config, gw.config_path)
-        except ConfigError as exc:
-            gw.metrics.reloaded(False)
-            log.error("config reload failed", extra={"fields": {"reason": str(exc)}})
-            return False, str(exc), []
-        if (config.cluster is None) != (self.cluster is None):
-            gw.metrics.reloaded(False)
-            return False, "turning cluster mode on or off needs a restart", []
-        REDACTOR.add(secrets_of(config))
-        notes = gw.runtime.reload(config)
-        # The previous ring: unchanged keys keep their RPM/TPM buckets and tenant indexes
-        # (queued requests carry them).
-        gw.keys = KeyRing(config, previous=gw.keys)
-        # SPEC §9: per-key series only for the configured names; exemplars only if asked for.
-        gw.metrics.keep_keys(t.name for t in gw.keys.tenants)
-        gw.metrics.exemplars = config.telemetry.exemplars
-        if self.cluster is not None:
-            self.cluster.adopt_keys(gw.keys)  # SPEC §13 cluster-wide limits, before any request
-            if config.cluster != self.cluster.settings:
-                notes.append("cluster settings apply after a restart")
-        gw.metrics.reloaded(True)
-        await gw.runtime.collect()
-        log.info(
-            "config reloaded",
-            extra={"fields": {"pools": ",".join(config.pools), "notes": "; ".join(notes) or None}},
-        )
-        return True, "reloaded", notes
-
     async def admin_reload(self, request: web.BaseRequest) -> web.StreamResponse:
-        self.gw.keys.authenticate_admin(request.headers)
-        ok, message, notes = await self.reload()
+        self.snapshots.keys.authenticate_admin(request.headers)
+        # SPEC §12: a reload applies to all workers.
+        ok, message, notes = await self.reloader.reload(everywhere=True)
         if not ok:
             raise InvalidConfig(f"Config not reloaded: {message}")
-        worker = link()
-        if worker is not None:
-            worker.reloaded()  # SPEC §12: a reload applies to all workers
         body = orjson.dumps({"status": "reloaded", "notes": notes})
         return web.Response(body=body, content_type=_JSON)
 
@@ -169,7 +169,7 @@ class Admin:
         answers only `Authorization: Bearer <auth.metrics_key>` or the admin key, unless
         `auth.public_metrics: true` opens it on purpose; without `auth` it is open. Raises
         `Unauthorized` (401, OpenAI-shaped, no metric text)."""
-        auth = self.gw.runtime.config.auth
+        auth = self.snapshots.config().auth
         if auth is None or auth.public_metrics:
             return
         presented = bearer(headers)
@@ -188,7 +188,7 @@ class Admin:
     async def metrics(self, request: web.BaseRequest) -> web.StreamResponse:
         self.authenticate_scrape(request.headers)
         # OpenMetrics (with exemplars, if on) when the scraper asks for it, else classic text.
-        body, content_type = self.gw.metrics.exposition(request.headers.get("Accept"))
+        body, content_type = self.snapshots.metrics.exposition(request.headers.get("Accept"))
         resp = web.Response(body=body)
         resp.headers["Content-Type"] = content_type
         return resp

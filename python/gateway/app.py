@@ -16,14 +16,13 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from gateway import logs, telemetry
-from gateway.admin import Admin
 from gateway.affinity import affinity_placement
 from gateway.auth import KeyRing, Tenant
 from gateway.batch import BATCH_PATHS, BatchService
@@ -60,6 +59,9 @@ from gateway.pool import Pool
 from gateway.redact import REDACTOR, secrets_of
 from gateway.responses import NOSNIFF, answer_of, error_response
 from gateway.runtime import Runtime
+
+if TYPE_CHECKING:
+    from gateway.admin import Admin
 
 __all__ = ["Gateway"]
 
@@ -170,11 +172,9 @@ class Gateway:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._boot = os.urandom(4).hex()
         self._id_prefix = f"gw-{self._boot}-"  # the ids the gateway makes
-        self.admin = Admin(self)
-        self._routes: dict[tuple[str, str], Handler] = {
-            **self.admin.routes(),
-            ("GET", "/v1/models"): self.models,
-        }
+        #: The admin routes, mounted by the composition root (`Server`), which owns reload.
+        self.admin: Admin | None = None
+        self._routes: dict[tuple[str, str], Handler] = {("GET", "/v1/models"): self.models}
         for path, endpoint in ENDPOINTS.items():
             self._routes[("POST", path)] = self._proxy_handler(endpoint)
         self.keys = KeyRing(config)
@@ -187,8 +187,7 @@ class Gateway:
         # SPEC §12: in a worker other than the Batch API's home, its requests are relayed.
         self.batch_relay: BatchRelay | None = None
         self._allowed: dict[str, str] = {}
-        for method, path in self._routes:
-            self._allowed[path] = ", ".join(filter(None, (self._allowed.get(path), method)))
+        self._index_routes()
         REDACTOR.add(secrets_of(config))
         # OpenTelemetry traces: None (and nothing imported) unless an OTLP endpoint is set.
         self.tracing = telemetry.setup(config)
@@ -200,6 +199,28 @@ class Gateway:
         )
         # SPEC §16: request bytes held by queued and in-flight requests.
         self.buffered_bytes = 0
+
+    def mount(self, admin: Admin) -> None:
+        """Serves `admin`'s routes (/livez, /readyz, /admin/*, /metrics, /dashboard)."""
+        self.admin = admin
+        self._routes.update(admin.routes())
+        self._index_routes()
+
+    def _index_routes(self) -> None:
+        self._allowed = {}
+        for method, path in self._routes:
+            self._allowed[path] = ", ".join(filter(None, (self._allowed.get(path), method)))
+
+    # ---- what the admin routes read (`admin.Snapshots`) -------------------------------------
+
+    def config(self) -> Config:
+        return self.runtime.config
+
+    def pools(self) -> Mapping[str, Pool]:
+        return self.runtime.pools
+
+    def batches(self) -> tuple[dict[str, int], list[dict[str, Any]]]:
+        return self.batch.state()
 
     # ---- server plumbing -----------------------------------------------------------------
 

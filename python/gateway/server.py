@@ -27,10 +27,14 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from gateway.admin import Admin
 from gateway.app import Gateway
+from gateway.auth import KeyRing
 from gateway.batch.relay import BatchRelay
-from gateway.config import Config
+from gateway.config import Config, load_config
+from gateway.errors import ConfigError
 from gateway.health import Prober
+from gateway.redact import REDACTOR, secrets_of
 from gateway.scheduler import now_ms
 from gateway.workers import TICK_S, WorkerLink, link
 
@@ -76,7 +80,6 @@ class Server:
             from gateway.cluster.node import ClusterNode
 
             self.cluster = ClusterNode(self.gateway, config.cluster)
-            self.gateway.admin.cluster = self.cluster
         self._runner: web.ServerRunner | None = None
         self._site: web.TCPSite | None = None
         self._tasks: set[asyncio.Task[object]] = set()
@@ -88,6 +91,11 @@ class Server:
         self._cut_drain = asyncio.Event()
         # SPEC §12: this server is one of several workers (None: it is the whole gateway).
         self.link: WorkerLink | None = link()
+        # The admin routes get what they read and who reloads, not the gateway to walk.
+        worker = (self.link.slot, self.link.workers) if self.link is not None else None
+        self.admin = Admin(self.gateway, self, worker=worker)
+        self.admin.cluster = self.cluster
+        self.gateway.mount(self.admin)
 
     @property
     def url(self) -> str:
@@ -149,7 +157,45 @@ class Server:
 
     def reload_soon(self) -> None:
         """SPEC §8: re-read the config file in the background (SIGHUP, --watch)."""
-        self._spawn(self.gateway.admin.reload(), "reload")
+        self._spawn(self.reload(), "reload")
+
+    async def reload(self, *, everywhere: bool = False) -> tuple[bool, str, list[str]]:
+        """Re-reads the config file; applies it only if it is entirely valid (SPEC §8).
+        Returns (applied, message, notes); on failure the running config stays. With
+        `everywhere` (a reload asked over HTTP), the other workers reload too (SPEC §12)."""
+        gw = self.gateway
+        if gw.config_path is None:
+            return False, "the gateway was not started from a config file", []
+        try:
+            config = await asyncio.to_thread(load_config, gw.config_path)
+        except ConfigError as exc:
+            gw.metrics.reloaded(False)
+            log.error("config reload failed", extra={"fields": {"reason": str(exc)}})
+            return False, str(exc), []
+        if (config.cluster is None) != (self.cluster is None):
+            gw.metrics.reloaded(False)
+            return False, "turning cluster mode on or off needs a restart", []
+        REDACTOR.add(secrets_of(config))
+        notes = gw.runtime.reload(config)
+        # The previous ring: unchanged keys keep their RPM/TPM buckets and tenant indexes
+        # (queued requests carry them).
+        gw.keys = KeyRing(config, previous=gw.keys)
+        # SPEC §9: per-key series only for the configured names; exemplars only if asked for.
+        gw.metrics.keep_keys(t.name for t in gw.keys.tenants)
+        gw.metrics.exemplars = config.telemetry.exemplars
+        if self.cluster is not None:
+            self.cluster.adopt_keys(gw.keys)  # SPEC §13 cluster-wide limits, before any request
+            if config.cluster != self.cluster.settings:
+                notes.append("cluster settings apply after a restart")
+        gw.metrics.reloaded(True)
+        await gw.runtime.collect()
+        log.info(
+            "config reloaded",
+            extra={"fields": {"pools": ",".join(config.pools), "notes": "; ".join(notes) or None}},
+        )
+        if everywhere and self.link is not None:
+            self.link.reloaded()  # SPEC §12: a reload applies to all workers
+        return True, "reloaded", notes
 
     async def serve(self, on_listening: Callable[[Server], None] | None = None) -> None:
         """Runs until SIGTERM or SIGINT, then drains and stops; SIGHUP reloads."""

@@ -583,6 +583,7 @@ async def _sample(
 ) -> None:
     """Samples the gateway's state every 200 ms (and once more at the end)."""
     while True:
+        assert gateway.admin is not None  # mounted by `Server`
         result.snapshots.append(snapshot_of(now(), gateway.admin.state()))
         progress.update(result.snapshots[-1], now())
         if finished.is_set():
