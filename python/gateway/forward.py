@@ -613,10 +613,13 @@ class Forwarder:
         resp = web.StreamResponse(status=200, headers=_stream_headers(ex))
         await resp.prepare(request)
         failure: tuple[str, str] | None = None
+        last = b""  # the stream's last events, written with its end in one piece
         try:
-            await resp.write(self._scrub_events(upstream, out, checker))
-            if not ended:
-                await self._relay_after_first(request, src, resp)
+            if ended:
+                last = self._scrub_events(upstream, out, checker)
+            else:
+                await resp.write(self._scrub_events(upstream, out, checker))
+                last = await self._relay_after_first(request, src, resp)
         except asyncio.CancelledError:
             if self._hard_stopped():
                 with contextlib.suppress(Exception):
@@ -631,22 +634,23 @@ class Forwarder:
         att.usage = checker.usage
         if ex.span is not None and checker.finish_reasons:
             ex.span.finish_reasons = checker.finish_reasons
-        return resp, await _end_stream(ex, att, resp, checker, failure)
+        return resp, await _end_stream(ex, att, resp, checker, failure, last)
 
     async def _relay_after_first(
         self, request: web.BaseRequest, src: _Source, resp: web.StreamResponse
-    ) -> None:
+    ) -> bytes:
         """The rest of a stream after its first event: spliced when the client's response is
-        HTTP/1.1 chunked and uncompressed, read piece by piece otherwise."""
+        HTTP/1.1 chunked and uncompressed, read piece by piece otherwise. Returns the last
+        events (those with `[DONE]`, or left at the body's end), not yet written: they go
+        out with the stream's end."""
         transport = request.transport
         # aiohttp frames the body as chunks on HTTP/1.1 (its writer says so): the splice
         # writes the same framing itself; anything else takes the plain loop.
         writer = getattr(resp, "_payload_writer", None)
         chunked = writer is not None and getattr(writer, "chunked", False) is True
         if chunked and transport is not None and not resp.compression:
-            await self._splice_rest(src, resp, transport)
-        else:
-            await self._relay_rest(src, resp)
+            return await self._splice_rest(src, resp, transport)
+        return await self._relay_rest(src, resp)
 
     async def _first_events(self, src: _Source, att: Attempt, started: float) -> tuple[bytes, bool]:
         """Reads until the stream's first complete event (nothing is sent to the client
@@ -671,51 +675,59 @@ class Forwarder:
             if out:
                 return out, checker.done
 
-    async def _relay_rest(self, src: _Source, resp: web.StreamResponse) -> None:
+    async def _relay_rest(self, src: _Source, resp: web.StreamResponse) -> bytes:
         """A token stream after its first event, read piece by piece (a client the splice
         cannot serve: not HTTP/1.1 chunked). Ends at `[DONE]` (nothing after it is relayed)
-        or the body's end."""
+        or the body's end; returns the last events, unwritten."""
         resp_up, upstream, checker = src.resp, src.upstream, src.checker
         watchdog, idle, deadline = src.watchdog, src.idle, src.deadline
         write, scrub = resp.write, self._scrub_events
-        while not checker.done:
+        while True:
             chunk = await _read_chunk(resp_up, watchdog, idle, deadline)
             if not chunk:
                 out = checker.finish()
-                if out:
-                    await write(scrub(upstream, out, checker))
-                return
+                return scrub(upstream, out, checker) if out else b""
             out = checker.feed(chunk)
+            if checker.done:
+                return scrub(upstream, out, checker) if out else b""
             if out:
                 await write(scrub(upstream, out, checker))
 
     async def _splice_rest(
         self, src: _Source, resp: web.StreamResponse, transport: asyncio.Transport
-    ) -> None:
+    ) -> bytes:
         """The token stream's hot path, after its first event (the headers went out with it):
         the upstream connection's callback checks each piece's events and writes them, framed
         as HTTP chunks, straight to the client's transport — no task switch, future or write
         coroutine per event. The task only waits for the end, a failure, or the client to
         drain (flow control: the upstream is paused while the client's buffer is over
-        `_CLIENT_HIGH_WATER`). Same checks and endings as `_relay_rest`."""
+        `_CLIENT_HIGH_WATER`). Same checks and endings as `_relay_rest`; returns the last
+        events, unwritten."""
         resp_up, upstream, checker = src.resp, src.upstream, src.checker
         watchdog, idle, deadline = src.watchdog, src.idle, src.deadline
         arm, clock = watchdog.arm, watchdog.loop.time
         write, buffered = transport.write, transport.get_write_buffer_size
         is_closing = transport.is_closing
         scrub = self._scrub_events
+        last = b""
 
         def sink(data: bytes) -> bool:
+            nonlocal last
             if is_closing():
                 return False  # the client left; the task learns it from its cancellation
             arm(min(clock() + idle, deadline))
             out = checker.feed(data)
+            if checker.done:
+                # `[DONE]`: kept for the stream's end, written with the last chunk in one
+                # piece (one send for both, not two).
+                last = scrub(upstream, out, checker) if out else b""
+                return False
             if out:
                 out = scrub(upstream, out, checker)
                 write(b"%x\r\n%b\r\n" % (len(out), out))
                 if buffered() > _CLIENT_HIGH_WATER:
                     resp_up.pause_reading()
-            return not checker.done
+            return True
 
         writer = getattr(resp, "_payload_writer", None)  # aiohttp's StreamWriter
 
@@ -733,8 +745,8 @@ class Forwarder:
             raise ConnectionResetError("the client left")
         if ended:
             out = checker.finish()
-            if out:
-                await resp.write(scrub(upstream, out, checker))
+            return scrub(upstream, out, checker) if out else b""
+        return last
 
     def _scrub_events(self, upstream: Upstream, out: bytes, checker: SseChecker) -> bytes:
         """Events about to reach the client, without the upstream's key: the raw key is
@@ -798,8 +810,10 @@ async def _end_stream(
     resp: web.StreamResponse,
     checker: SseChecker,
     failure: tuple[str, str] | None,
+    last: bytes = b"",
 ) -> Outcome:
-    """Ends a started stream and says how the attempt went."""
+    """Ends a started stream (its `last` events written with the end) and says how the
+    attempt went."""
     if failure is not None:
         # SPEC §6: "its failure ends the stream with an error event ... never a silent
         # cut, never a fake [DONE]".
@@ -810,7 +824,7 @@ async def _end_stream(
             await resp.write(sse_error_event(code, f"The upstream stream failed: {why}."))
             await resp.write_eof()
         return Outcome.FAILURE
-    await resp.write_eof()
+    await resp.write_eof(last)
     if checker.upstream_error is not None:
         # The upstream itself reported an error inside the stream (vLLM does): the client
         # already has that event; the instance failed this request.
