@@ -43,9 +43,9 @@ from aiohttp import web
 
 async def ok(request):
     await request.read()
-    return web.Response(status=200, content_type="application/x-protobuf")
+    return web.Response(status=200, content_type="application/json", body=b"{}")
 
-app = web.Application()
+app = web.Application(client_max_size=64 * 1024 * 1024)
 app.router.add_route("POST", "/{tail:.*}", ok)
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
 """
@@ -73,8 +73,8 @@ def main() -> int:
     ap.add_argument(
         "--otel",
         action="store_true",
-        help="also a gateway with OpenTelemetry tracing at sample ratio 1.0 (needs the otel "
-        "extra), exporting to a sink that accepts and drops every span batch",
+        help="also a gateway with OpenTelemetry tracing at sample ratio 1.0 (OTLP/HTTP JSON), "
+        "exporting to a sink that accepts and drops every span batch",
     )
     ap.add_argument(
         "--tls",
