@@ -79,7 +79,8 @@ class Server:
         if config.cluster is not None:
             from gateway.cluster.node import ClusterNode
 
-            self.cluster = ClusterNode(self.gateway, config.cluster)
+            gw = self.gateway
+            self.cluster = ClusterNode(gw.runtime, gw.keys, gw.metrics.registry, config.cluster)
         self._runner: web.ServerRunner | None = None
         self._site: web.TCPSite | None = None
         self._tasks: set[asyncio.Task[object]] = set()

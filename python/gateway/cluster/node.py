@@ -24,8 +24,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -41,10 +41,29 @@ from gateway.redact import REDACTOR
 from gateway.scheduler import now_ms
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
-    from gateway.auth import KeyRing
+    from prometheus_client import CollectorRegistry
 
-__all__ = ["ClusterNode"]
+    from gateway.auth import KeyRing
+    from gateway.config import Config
+    from gateway.events import Events
+    from gateway.pool import Pool
+
+__all__ = ["ClusterNode", "Pools"]
+
+
+class Pools(Protocol):
+    """The running pools a replica leases slots for, with the settings and event stream
+    they run under (the gateway's `Runtime` is one; a reload changes them in place)."""
+
+    @property
+    def pools(self) -> Mapping[str, Pool]: ...
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def events(self) -> Events: ...
+
 
 log = logging.getLogger("gateway.cluster")
 
@@ -57,8 +76,10 @@ _SYNC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 class ClusterNode:
     """One replica of a gateway cluster."""
 
-    def __init__(self, gateway: Gateway, settings: Cluster) -> None:
-        self.gw = gateway
+    def __init__(
+        self, pools: Pools, keys: KeyRing, registry: CollectorRegistry, settings: Cluster
+    ) -> None:
+        self.running = pools
         self.settings = settings
         self.replica = settings.replica_id
         lease_ms, renew_ms = settings.lease_ms, settings.renew_ms
@@ -83,7 +104,7 @@ class ClusterNode:
         self._last_ok: float | None = None  # monotonic s of the last successful call
         self._confirming: set[tuple[str, str]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        r = gateway.metrics.registry
+        r = registry
         self.sync_seconds = Histogram(
             "gateway_cluster_sync_seconds",
             "Duration of one lease or rate-limit sync with Redis",
@@ -101,7 +122,7 @@ class ClusterNode:
             registry=r,
         )
         r.register(_ClusterCollector(self))
-        self.adopt_keys(gateway.keys)
+        self.adopt_keys(keys)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -144,7 +165,7 @@ class ClusterNode:
     # ---- one sync --------------------------------------------------------------------------
 
     async def sync_once(self) -> None:
-        pools = self.gw.runtime.pools
+        pools = self.running.pools
         jobs = [self._sync_pool(name) for name in pools]
         jobs.append(self._sync_rates())
         for name in [n for n in self.pools if n not in pools]:
@@ -153,13 +174,13 @@ class ClusterNode:
         self._update_static()
 
     async def _sync_pool(self, name: str) -> None:
-        pool = self.gw.runtime.pools.get(name)
+        pool = self.running.pools.get(name)
         if pool is None:
             return
         lease = self.pools.get(name)
         if lease is None:
             c = self.settings
-            total_ms = self.gw.runtime.config.timeouts.total_ms
+            total_ms = self.running.config.timeouts.total_ms
             lease = self.pools[name] = PoolLease(
                 name,
                 c.lease_ms,
@@ -179,10 +200,10 @@ class ClusterNode:
         except RedisUnavailable as exc:
             self._failed("lease", exc)
             self.hints.unsent(name, payload["h"])
-            lease.failed(self.gw.runtime.pools.get(name), sent)
+            lease.failed(self.running.pools.get(name), sent)
             return
         self._succeeded("lease", sent)
-        if lease.succeeded(self.gw.runtime.pools.get(name), reply, sent) and lease.shrank:
+        if lease.succeeded(self.running.pools.get(name), reply, sent) and lease.shrank:
             self._wake.set()  # report the smaller floor now: the others are waiting for it
         self.hint_count.labels("published").inc(len(payload["h"]))
         for instance in self.hints.incoming(name, reply.get("h"), now_ms()):
@@ -238,7 +259,7 @@ class ClusterNode:
     def _confirm(self, pool_name: str, instance: str) -> None:
         """Local probes for another replica's ejection hint (see `hints`)."""
         key = (pool_name, instance)
-        if key in self._confirming or not self.gw.runtime.config.health.probe.enabled:
+        if key in self._confirming or not self.running.config.health.probe.enabled:
             return
         self._confirming.add(key)
         task = asyncio.get_running_loop().create_task(self._probe_hinted(pool_name, instance))
@@ -251,7 +272,7 @@ class ClusterNode:
         task.add_done_callback(done)
 
     async def _probe_hinted(self, pool_name: str, instance: str) -> None:
-        runtime = self.gw.runtime
+        runtime = self.running
         health = runtime.config.health
         for _ in range(health.failure_threshold):
             pool = runtime.pools.get(pool_name)
@@ -286,7 +307,7 @@ class ClusterNode:
 
     @property
     def fenced(self) -> bool:
-        return any(pool.snapshot().lease_fenced for pool in self.gw.runtime.pools.values())
+        return any(pool.snapshot().lease_fenced for pool in self.running.pools.values())
 
     @property
     def status(self) -> str:
@@ -304,7 +325,7 @@ class ClusterNode:
         per replica")."""
         seen: set[str] = set()
         pools: dict[str, Any] = {}
-        for name, pool in self.gw.runtime.pools.items():
+        for name, pool in self.running.pools.items():
             lease = self.pools.get(name)
             snap = pool.snapshot()
             view = lease.view if lease is not None else {}
@@ -386,7 +407,7 @@ class _ClusterCollector(Collector):
         replicas = GaugeMetricFamily(
             "gateway_cluster_replicas", "Live replicas seen at the last sync", labels=["pool"]
         )
-        for name, pool in node.gw.runtime.pools.items():
+        for name, pool in node.running.pools.items():
             for inst in pool.snapshot().instances:
                 if not inst.removed and inst.lease is not None:
                     mine.add_metric([name, inst.name], inst.lease)
