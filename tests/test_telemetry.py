@@ -563,8 +563,8 @@ async def test_a_collector_that_cannot_keep_up_loses_spans_counted_never_memory(
         _traced_requests(t, 100)  # 300 spans
         assert loop.time() - t0 < 1.0
         assert len(t._queue) <= 30
-        assert t.dropped >= 300 - 30 - 512  # all but what the queue and one batch hold
-        assert t.dropped > 0
+        # all but what the queue holds and the batch being retried (taken from the queue)
+        assert t.dropped >= 300 - 30 - 30
         text = metrics.render().decode()
         (line,) = [x for x in text.splitlines() if x.startswith("gateway_trace_spans_dropped_")]
         assert float(line.split()[-1]) == t.dropped

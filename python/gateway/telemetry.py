@@ -290,8 +290,11 @@ class Tracing:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._delay = (schedule_delay_ms if schedule_delay_ms is not None else _DELAY_MS) / 1000
-        self._sender = _Sender(endpoint, headers or {}) if exporter is None else None
-        self._export = exporter if exporter is not None else self._sender.post  # type: ignore[union-attr]
+        self._sender: _Sender | None = None
+        if exporter is None:
+            self._sender = _Sender(endpoint, headers or {})
+            exporter = self._sender.post
+        self._export: Callable[[bytes], bool] = exporter
         self._fragments: dict[tuple[str, Any], bytes] = {}
         self._prefix = orjson.dumps(
             {
