@@ -117,8 +117,8 @@ sdist: $(STAMP) ## build the sdist into dist/ and check it holds the whole works
 	if grep -E '\.(so|pyd)$$' <<<"$$listing"; then echo "sdist holds a built extension" >&2; exit 1; fi; \
 	echo "sdist ok: $$(ls dist/gateway-*.tar.gz), $$(wc -l <<<"$$listing") files"
 
-# Each artifact into a clean venv of the system's python3, away from the source tree: the wheel
-# with the otel extra, the sdist compiled from source by pip (no cache, so it really builds).
+# Each artifact into a clean venv of the system's python3, away from the source tree: the wheel,
+# the sdist compiled from source by pip (no cache, so it really builds).
 # Between them, pip resolves the wheel's dependencies as a manylinux2014 host would: a binary
 # wheel for each, or the target fails (the host would need a compiler).
 dist-check: wheel sdist ## install the wheel and the sdist into clean venvs and run `gateway check`
@@ -127,16 +127,16 @@ dist-check: wheel sdist ## install the wheel and the sdist into clean venvs and 
 	  '      - {name: a, url: "http://127.0.0.1:9001/v1", model: m, max_concurrency: 4}' \
 	  'models:' '  judge: {pool: light}' > $(DIST_CHECK)/gateway.yaml
 	python3 -m venv $(DIST_CHECK)/wheel
-	$(DIST_CHECK)/wheel/bin/pip install -q "$$(ls $(CURDIR)/dist/gateway-*.$(MANYLINUX_TAG)_x86_64.whl)[otel]"
-	cd $(DIST_CHECK) && wheel/bin/python -c 'import gateway._core as c, gateway.errors, opentelemetry.sdk.trace; \
+	$(DIST_CHECK)/wheel/bin/pip install -q "$$(ls $(CURDIR)/dist/gateway-*.$(MANYLINUX_TAG)_x86_64.whl)"
+	cd $(DIST_CHECK) && wheel/bin/python -c 'import gateway._core as c, gateway.errors, gateway.telemetry; \
 	  p = c.Pool(c.PoolConfig()); p.add_instance(1); assert p.submit(1, c.Priority.HIGH, 0) == 0; \
 	  assert c.PoolConfig().high_weight == 7; \
 	  assert "/dist-check/wheel/" in c.__file__, c.__file__; print("wheel ok:", c.__file__)'
 	cd $(DIST_CHECK) && wheel/bin/gateway check gateway.yaml >/dev/null
-	@# a glibc 2.17 host installs every dependency (and the otel extra's) from wheels too
+	@# a glibc 2.17 host installs every dependency from wheels too
 	$(VENV)/bin/pip download -q -d $(DIST_CHECK)/manylinux2014 --only-binary=:all: \
 	  --platform $(MANYLINUX)_x86_64 --python-version 3.11 --implementation cp \
-	  "$$(ls $(CURDIR)/dist/gateway-*.$(MANYLINUX_TAG)_x86_64.whl)[otel]"
+	  "$$(ls $(CURDIR)/dist/gateway-*.$(MANYLINUX_TAG)_x86_64.whl)"
 	python3 -m venv $(DIST_CHECK)/sdist
 	time $(DIST_CHECK)/sdist/bin/pip install -q --no-cache-dir $(CURDIR)/dist/gateway-*.tar.gz
 	cd $(DIST_CHECK) && sdist/bin/gateway check gateway.yaml >/dev/null

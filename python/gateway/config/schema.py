@@ -371,8 +371,8 @@ class Shutdown(_Section, frozen=True, kw_only=True):
 
 
 class Telemetry(_Section, frozen=True, kw_only=True):
-    """OpenTelemetry traces (off unless an endpoint is set here or in
-    `OTEL_EXPORTER_OTLP_ENDPOINT`; needs the `otel` extra)."""
+    """OpenTelemetry traces over OTLP/HTTP, exported by the gateway itself (off unless an
+    endpoint is set here or in `OTEL_EXPORTER_OTLP_ENDPOINT`)."""
 
     otlp_endpoint: str | None = None
     service_name: str | None = None
