@@ -16,10 +16,8 @@ from typing import Any
 
 import aiohttp
 import orjson
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway import metrics as metrics_module
 from gateway.logs import JsonFormatter, TextFormatter
 from gateway.metrics import Metrics
 from gateway.redact import RedactingFilter
@@ -458,22 +456,20 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def test_per_key_series_survive_the_workers_snapshot_sum(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_per_key_series_survive_the_workers_snapshot_sum(tmp_path: Path) -> None:
     """SPEC §12: a scrape sums this worker's per-key counts with the other workers' snapshots;
     a reload that removes a key (`keep_keys`) drops this worker's series of it and the scrape
     goes on (another worker's counts stay in the sum until it reloads too)."""
-    monkeypatch.setattr(metrics_module, "SHARE_DIR", str(tmp_path))
     runtime = SimpleNamespace(pools={})
-    peer = Metrics(lambda: runtime)  # type: ignore[arg-type,return-value]
+    share = str(tmp_path)  # the workers' snapshots, as the topology hands it down
+    peer = Metrics(lambda: runtime, share_dir=share)  # type: ignore[arg-type,return-value]
     peer.keep_keys(["free", "paid"])
     peer.request_done("p", "high", 200, "free")
     peer.used_tokens("p", "a", {"prompt_tokens": 5, "completion_tokens": 7}, "free")
     peer.flush()
     # the peer's snapshot as another (live) process's: this test's parent
     os.replace(tmp_path / f"{os.getpid()}.json", tmp_path / f"{os.getppid()}.json")
-    own = Metrics(lambda: runtime)  # type: ignore[arg-type,return-value]
+    own = Metrics(lambda: runtime, share_dir=share)  # type: ignore[arg-type,return-value]
     own.keep_keys(["free", "paid"])
     for key in ("free", "free", "paid"):
         own.request_done("p", "high", 200, key)

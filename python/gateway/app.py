@@ -25,7 +25,7 @@ from aiohttp.web_protocol import RequestHandler
 from gateway import logs, telemetry
 from gateway.affinity import affinity_placement
 from gateway.auth import KeyRing, Tenant
-from gateway.batch import BATCH_PATHS, BatchService
+from gateway.batch import BATCH_PATHS, BatchApi, BatchService
 from gateway.batch.ports import BatchPorts
 from gateway.batch.relay import BatchRelay, is_batch_path
 from gateway.config import Config
@@ -59,6 +59,7 @@ from gateway.pool import Pool
 from gateway.redact import REDACTOR, secrets_of
 from gateway.responses import NOSNIFF, answer_of, error_response
 from gateway.runtime import Runtime
+from gateway.topology import Topology
 
 if TYPE_CHECKING:
     from gateway.admin import Admin
@@ -152,10 +153,18 @@ class _Server(web.Server):
 class Gateway:
     """The HTTP surface of SPEC §7 over one `Runtime`."""
 
-    def __init__(self, config: Config, *, config_path: str | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        config_path: str | None = None,
+        topology: Topology | None = None,
+    ) -> None:
+        # One process, or one of N workers (SPEC §12): decided by the composition root.
+        topology = topology if topology is not None else Topology.single()
         #: The public, typed event stream (requests answered, instance changes, probes).
         self.events = Events()
-        self.runtime = Runtime(config, self.events)
+        self.runtime = Runtime(config, self.events, topology.link)
         self.config_path = config_path
         #: SPEC §7 drain, from the signal on: /readyz answers 503 (load balancers stop sending)
         #: while requests are still served for `shutdown.drain_delay_ms`.
@@ -178,12 +187,17 @@ class Gateway:
         for path, endpoint in ENDPOINTS.items():
             self._routes[("POST", path)] = self._proxy_handler(endpoint)
         self.keys = KeyRing(config)
-        self.metrics = Metrics(lambda: self.runtime)
+        self.metrics = Metrics(
+            lambda: self.runtime,
+            share_dir=topology.metrics_dir,
+            restarts_path=topology.worker_restarts_path,
+        )
         self.metrics.keep_keys(t.name for t in self.keys.tenants)
         self.metrics.exemplars = config.telemetry.exemplars
         # SPEC §14: the Batch API (`/v1/files`, `/v1/batches`; ids matched in `handle`).
         self.batch = BatchService(BatchPorts(self, lambda: self.keys, self.runtime, self.metrics))
-        self._routes.update(self.batch.api.routes())
+        self.batch_api = BatchApi(self.batch)
+        self._routes.update(self.batch_api.routes())
         # SPEC §12: in a worker other than the Batch API's home, its requests are relayed.
         self.batch_relay: BatchRelay | None = None
         self._allowed: dict[str, str] = {}
@@ -249,7 +263,7 @@ class Gateway:
             return await self.batch_relay.relay(request)  # SPEC §12: worker 0 serves batches
         handler = self._routes.get((request.method, request.path))
         if handler is None and request.path.startswith(BATCH_PATHS):
-            handler = self.batch.api.route(request.method, request.path)
+            handler = self.batch_api.route(request.method, request.path)
         resp: web.StreamResponse
         if handler is None:
             allowed = self._allowed.get(request.path)

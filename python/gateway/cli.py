@@ -14,7 +14,8 @@ from gateway.check import describe, describe_errors
 from gateway.config import Config, load_config
 from gateway.errors import ConfigError
 from gateway.logs import setup_logging
-from gateway.workers import enter_worker, link, resolve_workers
+from gateway.topology import Topology, WorkerLink
+from gateway.workers import enter_worker, resolve_workers
 
 __all__ = ["main"]
 
@@ -28,36 +29,42 @@ def _event_loop_policy() -> None:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
-async def serve(args: argparse.Namespace) -> int:
-    """Runs the gateway until SIGTERM/SIGINT, then drains (SPEC §7)."""
+async def serve(args: argparse.Namespace, worker: WorkerLink | None = None) -> int:
+    """Runs the gateway until SIGTERM/SIGINT, then drains (SPEC §7). `worker`: this process's
+    place among the workers the supervisor started (None: it is the whole gateway)."""
     from gateway.server import ListenError, Server
 
     try:
         config = load_config(args.config)
     except ConfigError as exc:
-        return _cannot_start(2, f"config error: {exc}")
-    if args.workers > 1 and link() is None:
+        return _cannot_start(2, f"config error: {exc}", worker)
+    if args.workers > 1 and worker is None:
         return await supervise(args, config)
+    topology = Topology.workers(worker) if worker is not None else Topology.single()
     server = Server(
-        config, config_path=args.config, host=args.host, port=args.port, watch=args.watch
+        config,
+        config_path=args.config,
+        host=args.host,
+        port=args.port,
+        watch=args.watch,
+        topology=topology,
     )
 
     def listening(s: Server) -> None:
-        if link() is None:  # a worker: the supervisor says it once for all (SPEC §12)
+        if worker is None:  # a worker: the supervisor says it once for all (SPEC §12)
             print(f"gateway {__version__} listening on {s.url}", flush=True)
 
     try:
         await server.serve(listening)
     except ListenError as exc:
-        return _cannot_start(1, str(exc))
+        return _cannot_start(1, str(exc), worker)
     return 0
 
 
-def _cannot_start(status: int, reason: str) -> int:
+def _cannot_start(status: int, reason: str, worker: WorkerLink | None) -> int:
     """The gateway cannot start: one line on stderr, and `status`. A worker tells its
     supervisor instead, which says it once for all (SPEC §12: it stops when every worker
     reports the same; until then the others serve and the slot is retried)."""
-    worker = link()
     if worker is None or not worker.cannot_start(status, reason):
         print(reason, file=sys.stderr)
     return status
@@ -170,8 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         return schema(args)
     _event_loop_policy()
     if args.command == "serve":
-        enter_worker()  # SPEC §12: a worker started by the supervisor attaches here
-        return asyncio.run(serve(args))
+        # SPEC §12: a worker started by the supervisor attaches here; its place among the
+        # workers is handed down from here as a value (the topology), never read from a global.
+        worker = enter_worker()
+        return asyncio.run(serve(args, worker))
     if args.command == "mock":
         from gateway.sim import mock
 

@@ -59,10 +59,6 @@ __all__ = ["CONTENT_TYPE", "NO_KEY", "OPENMETRICS_CONTENT_TYPE", "Metrics"]
 #: The `key` label of requests no configured key made (auth off, or a key missing or unknown).
 NO_KEY = "none"
 
-#: SPEC §12: where the workers' snapshots live (set by the supervisor; None: one process).
-SHARE_DIR = os.environ.get("GATEWAY_METRICS_DIR") or None
-#: SPEC §12: the supervisor's count of replaced workers, a file in SHARE_DIR (it serves no HTTP).
-WORKER_RESTARTS_FILE = "worker_restarts"
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OPENMETRICS_CONTENT_TYPE = openmetrics.CONTENT_TYPE_LATEST
@@ -232,12 +228,21 @@ class _BatchCollector(Collector):
 class Metrics:
     """The gateway's metrics in their own registry (one per gateway, so tests can run many)."""
 
-    def __init__(self, runtime: Callable[[], Runtime]) -> None:
+    def __init__(
+        self,
+        runtime: Callable[[], Runtime],
+        *,
+        share_dir: str | None = None,
+        restarts_path: str | None = None,
+    ) -> None:
+        """`share_dir`: SPEC §12, where the workers' snapshots live (None: one process);
+        `restarts_path`: the supervisor's count of replaced workers (it serves no HTTP). Both
+        come from the topology the composition root decided (`Topology`)."""
         # What this process counts (snapshotted for the other workers), and what a scrape
         # reads: that plus the live state collectors.
         r = self._own = CollectorRegistry(auto_describe=False)
         self.registry = CollectorRegistry(auto_describe=False)
-        self._share = _Shared(r, SHARE_DIR) if SHARE_DIR is not None else None
+        self._share = _Shared(r, share_dir) if share_dir is not None else None
         self.registry.register(self._share if self._share is not None else r)
         self.requests = Counter(
             "gateway_requests",
@@ -356,9 +361,8 @@ class Metrics:
         r.register(_LogDropsCollector())
         # Read at scrape time from the shared region: already the whole gateway's.
         self.registry.register(_CoreCollector(runtime))
-        if SHARE_DIR is not None:
-            restarts = os.path.join(SHARE_DIR, WORKER_RESTARTS_FILE)
-            self.registry.register(_RestartsCollector(restarts))
+        if restarts_path is not None:
+            self.registry.register(_RestartsCollector(restarts_path))
         self._children: dict[tuple[Any, ...], Any] = {}
 
     def _child(self, metric: Any, *labels: str) -> Any:

@@ -28,8 +28,8 @@ from gateway.config import Config, PoolSpec
 from gateway.errors import GatewayError
 from gateway.events import Events, InstanceChanged
 from gateway.scheduler import PoolScheduler, now_ms
+from gateway.topology import WorkerLink
 from gateway.upstream import Upstream
-from gateway.workers import link
 
 __all__ = ["InstanceSnapshot", "Pool", "PoolSnapshot", "core_config", "now_ms"]
 
@@ -153,13 +153,21 @@ def _display_state(info: _core.InstanceInfo, now: int) -> str:
 class Pool:
     """A set of interchangeable instances with one dual queue (SPEC §3, §5, §6)."""
 
-    def __init__(self, name: str, spec: PoolSpec, config: Config, events: Events) -> None:
+    def __init__(
+        self,
+        name: str,
+        spec: PoolSpec,
+        config: Config,
+        events: Events,
+        link: WorkerLink | None = None,
+    ) -> None:
         self.name = name
         self.spec = spec
         self._events = events
         self._core = _core.Pool(core_config(config, spec), seed=config.seed)
-        # SPEC §12: with --workers, this pool is one worker's share of the region.
-        self._link = link()
+        # SPEC §12: with --workers, this pool is one worker's share of the region (the
+        # topology the composition root decided, handed down).
+        self._link = link
         if self._link is not None:
             self._core.attach(self._link.region, stable_id(name), self._link.slot)
         self._scheduler = PoolScheduler(name, self._core, self._on_transition, self._link)

@@ -9,6 +9,7 @@ from gateway.config import Config
 from gateway.events import Events
 from gateway.pool import Pool
 from gateway.router import Router
+from gateway.topology import WorkerLink
 
 __all__ = ["Runtime"]
 
@@ -16,12 +17,15 @@ __all__ = ["Runtime"]
 class Runtime:
     """Pools and routing of the running config."""
 
-    def __init__(self, config: Config, events: Events | None = None) -> None:
+    def __init__(
+        self, config: Config, events: Events | None = None, link: WorkerLink | None = None
+    ) -> None:
         self.config = config
+        self._link = link  # SPEC §12: the region new pools attach to (None: one process)
         self.events = events if events is not None else Events()
         self.router = Router(config)
         self.pools: dict[str, Pool] = {
-            name: Pool(name, spec, config, self.events) for name, spec in config.pools.items()
+            name: Pool(name, spec, config, self.events, link) for name, spec in config.pools.items()
         }
         # Pools removed by a reload, kept until their last attempt finished.
         self.retired: list[Pool] = []
@@ -52,7 +56,7 @@ class Runtime:
         for name, spec in config.pools.items():
             pool = self.pools.get(name)
             if pool is None:
-                pool = Pool(name, spec, config, self.events)
+                pool = Pool(name, spec, config, self.events, self._link)
             else:
                 pool.reconfigure(spec, config)
             pools[name] = pool

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from gateway import _core
 from gateway._core import Affinity, EventKind, InstanceState, Outcome, Priority
 from gateway.errors import DEFAULT_RETRY_AFTER_MS, GatewayError, NoHealthyInstance, QueueTimeout
-from gateway.workers import WorkerLink
+from gateway.topology import WorkerLink
 
 __all__ = ["PoolScheduler", "Unservable", "now_ms"]
 

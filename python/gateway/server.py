@@ -36,7 +36,8 @@ from gateway.errors import ConfigError
 from gateway.health import Prober
 from gateway.redact import REDACTOR, secrets_of
 from gateway.scheduler import now_ms
-from gateway.workers import TICK_S, WorkerLink, link
+from gateway.topology import Topology, WorkerLink
+from gateway.workers import TICK_S
 
 if TYPE_CHECKING:
     from gateway.cluster.node import ClusterNode
@@ -66,8 +67,12 @@ class Server:
         port: int | None = None,
         watch: bool = False,
         backlog: int = 4096,
+        topology: Topology | None = None,
     ) -> None:
-        self.gateway = Gateway(config, config_path=config_path)
+        # The composition root: the topology (one process, or one of N workers: SPEC §12) is
+        # decided here, from what the worker was handed at its start, and passed down.
+        self.topology = topology if topology is not None else Topology.single()
+        self.gateway = Gateway(config, config_path=config_path, topology=self.topology)
         self.host = host or config.listen.host
         self.port = port if port is not None else config.listen.port
         self.watch = watch
@@ -91,7 +96,7 @@ class Server:
         self._skip_delay = asyncio.Event()
         self._cut_drain = asyncio.Event()
         # SPEC §12: this server is one of several workers (None: it is the whole gateway).
-        self.link: WorkerLink | None = link()
+        self.link: WorkerLink | None = self.topology.link
         # The admin routes get what they read and who reloads, not the gateway to walk.
         worker = (self.link.slot, self.link.workers) if self.link is not None else None
         self.admin = Admin(self.gateway, self, worker=worker)

@@ -55,17 +55,25 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gateway import _core
-from gateway.metrics import WORKER_RESTARTS_FILE
+from gateway.topology import (
+    _BATCH_ENV,
+    _DIR_ENV,
+    _ENV,
+    _METRICS_ENV,
+    WORKER_RESTARTS_FILE,
+    WorkerLink,
+    _report_path,
+)
 
 __all__ = [
     "HANG_MS",
     "TICK_S",
     "Supervisor",
     "WorkerLink",
-    "link",
+    "enter_worker",
     "resolve_workers",
     "unavailable",
 ]
@@ -84,17 +92,6 @@ TICK_S = 0.010
 QUICK_DEATH_S = 10.0
 BACKOFF_MS = int(os.environ.get("GATEWAY_WORKER_BACKOFF_MS", "1000"))
 BACKOFF_MAX_MS = int(os.environ.get("GATEWAY_WORKER_BACKOFF_MAX_MS", "30000"))
-_ENV = "GATEWAY_WORKER"
-_BATCH_ENV = "GATEWAY_WORKER_BATCH_SOCKET"
-#: The supervisor's directory, where a worker that cannot start says why.
-_DIR_ENV = "GATEWAY_WORKER_DIR"
-
-_link: WorkerLink | None = None
-
-
-def link() -> WorkerLink | None:
-    """This process's place among the workers, or None when it is the whole gateway."""
-    return _link
 
 
 def resolve_workers(value: str) -> int:
@@ -151,106 +148,10 @@ def unavailable() -> str | None:
     )
 
 
-@dataclass
-class WorkerLink:
-    """A worker's side: its slot, the region and every slot's eventfd."""
-
-    slot: int
-    incarnation: int
-    region: _core.Region
-    wake_fds: tuple[int, ...]
-    supervisor: int
-    #: SPEC §14 with workers: worker 0 serves the Batch API on this Unix socket, the others
-    #: relay to it.
-    batch_socket: str = ""
-    #: The supervisor's directory (where `cannot_start` leaves its report).
-    directory: str = ""
-    #: Called (on the loop) when another worker woke this one.
-    on_wake: Callable[[], None] | None = None
-    _pending: int = field(default=0, repr=False)
-
-    @property
-    def workers(self) -> int:
-        return len(self.wake_fds)
-
-    @classmethod
-    def from_env(cls) -> WorkerLink | None:
-        spec = os.environ.get(_ENV)
-        if not spec:
-            return None
-        slot, incarnation, shm_fd, supervisor, fds = spec.split(":")
-        wake_fds = tuple(int(fd) for fd in fds.split(","))
-        return cls(
-            slot=int(slot),
-            incarnation=int(incarnation),
-            region=_core.Region(int(shm_fd)),
-            wake_fds=wake_fds,
-            supervisor=int(supervisor),
-            batch_socket=os.environ.get(_BATCH_ENV, ""),
-            directory=os.environ.get(_DIR_ENV, ""),
-        )
-
-    @property
-    def batch_home(self) -> bool:
-        """Whether this worker runs the Batch API (the store and its runner)."""
-        return self.slot == 0
-
-    def wake(self, mask: int) -> None:
-        """Wakes the worker slots in the bit set `mask` (never this one)."""
-        mask &= ~(1 << self.slot)
-        k = 0
-        while mask:
-            if mask & 1 and k < len(self.wake_fds):
-                with contextlib.suppress(BlockingIOError, OSError):
-                    os.eventfd_write(self.wake_fds[k], 1)
-            mask >>= 1
-            k += 1
-
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        loop.add_reader(self.wake_fds[self.slot], self._woken)
-
-    def stop(self, loop: asyncio.AbstractEventLoop) -> None:
-        with contextlib.suppress(Exception):
-            loop.remove_reader(self.wake_fds[self.slot])
-
-    def _woken(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.eventfd_read(self.wake_fds[self.slot])
-        if self.on_wake is not None:
-            self.on_wake()
-
-    def heartbeat(self, now_ms: int) -> None:
-        self.region.heartbeat(self.slot, now_ms)
-
-    def reloaded(self) -> None:
-        """A reload through this worker's HTTP API: the others reload too."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(self.supervisor, signal.SIGUSR1)
-
-    def cannot_start(self, status: int, reason: str) -> bool:
-        """SPEC §12: this worker cannot start (a bad config): tells the supervisor why, before
-        exiting with `status`. When every slot reports the same, the supervisor exits with it;
-        until then the slot is retried with back-off (the others keep serving). False if the
-        report could not be written."""
-        if not self.directory:
-            return False
-        path = _report_path(self.directory, self.slot)
-        try:
-            with open(path + ".tmp", "w") as f:
-                json.dump({"status": status, "reason": reason}, f)
-            os.replace(path + ".tmp", path)
-        except OSError:
-            return False
-        return True
-
-
-def _report_path(directory: str, slot: int) -> str:
-    return os.path.join(directory, f"cannot-start.{slot}")
-
-
 def enter_worker() -> WorkerLink | None:
-    """At a worker's start: attach to the region, die with the supervisor."""
-    global _link
+    """At a worker's start: attach to the region, die with the supervisor. Returns this
+    process's place among the workers (None: it is the whole gateway), for the composition
+    root to hand down (`Topology.workers`)."""
     found = WorkerLink.from_env()
     if found is None:
         return None
@@ -262,7 +163,6 @@ def enter_worker() -> WorkerLink | None:
         libc.prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
     if os.getppid() != found.supervisor:
         os._exit(0)  # the supervisor died before the death signal was armed
-    _link = found
     return found
 
 
@@ -356,7 +256,7 @@ class Supervisor:
         env[_ENV] = f"{slot.index}:{slot.incarnation}:{self._shm}:{os.getpid()}:{fds}"
         env[_BATCH_ENV] = self.batch_socket
         env[_DIR_ENV] = self._dir
-        env["GATEWAY_METRICS_DIR"] = self.metrics_dir
+        env[_METRICS_ENV] = self.metrics_dir
         # `ps` says what each process is: `serve --worker 1/4` (slot 1 of 4), not the
         # operator's `--workers 4` (without setproctitle: the title is the command line).
         at = self.argv.index("serve") + 1

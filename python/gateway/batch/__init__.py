@@ -6,12 +6,14 @@ unchanged."
 
 - `api.py`: the `/v1/files` and `/v1/batches` routes, OpenAI's shapes, ownership by key;
 - `validate.py`: the input file, line by line, before anything runs;
-- `runner.py`: the executor — each line through `Gateway.call` at low priority, fed gradually
-  and fairly, retried with backoff, cancelled, expired, finalized;
+- `runner.py`: the executor — each line through the gateway's `Executor.call` at low
+  priority, fed gradually and fairly, retried with backoff, cancelled, expired, finalized;
 - `store.py`: SQLite in WAL mode on one dedicated thread; files on disk beside it;
 - `records.py`: the output and error lines as OpenAI writes them;
 - `owners.py`: who owns what, and the tenant a batch's lines run as;
-- `service.py`: the whole, as one gateway owns it (lazy open, lock, counts, start and stop).
+- `service.py`: the whole, as one gateway owns it (lazy open, lock, counts, start and stop);
+  `BatchApi(service)` serves it;
+- `ports.py`: what the gateway hands the service (executor, keys, settings, metrics).
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ import tempfile
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from gateway.batch.api import BatchApi
 from gateway.batch.faults import StoreDown
 from gateway.batch.runner import Runner
 from gateway.batch.store import STATUSES, BatchRow, SchemaTooNew, SqliteStore, Store
@@ -61,7 +60,6 @@ class BatchService:
         self._opening = asyncio.Lock()
         self._lock_file: IO[bytes] | None = None
         self._closed = False
-        self.api = BatchApi(self)
         ports.metrics.watch_batches(lambda: self.counts)
 
     @property
