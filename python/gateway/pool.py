@@ -23,6 +23,7 @@ from gateway import _core
 from gateway._core import Affinity, InstanceState, Outcome, Priority
 from gateway.affinity import prefix_capacity_blocks, stable_id
 from gateway.backend_load import BackendLoad
+from gateway.capacity import Capacity, OwnCapacity
 from gateway.cluster.local import LocalLeases
 from gateway.config import Config, PoolSpec
 from gateway.errors import GatewayError
@@ -186,11 +187,12 @@ class Pool:
         for inst in spec.instances:
             self._core.add_instance(inst.max_concurrency, stable_id(inst.name))
             self._upstreams.append(Upstream(inst, config.timeouts))
-        # SPEC §13: this replica's leased share of each instance (None: cluster mode off).
-        # Nothing is leased until the cluster sync's first answer.
-        self._leases: LocalLeases | None = None
+        # Where slots come from beyond the core's counters: its own (one process, or a worker
+        # on the region), or SPEC §13 this replica's leased share of each instance (nothing
+        # is leased until the cluster sync's first answer). Called unconditionally.
+        self._capacity: Capacity = OwnCapacity()
         if config.cluster is not None:
-            self._leases = LocalLeases(
+            self._capacity = LocalLeases(
                 self._core,
                 self._scheduler.fail_all_waiting,
                 lambda i: self._upstreams[i].spec.max_concurrency,
@@ -198,7 +200,7 @@ class Pool:
                 # demand, so its first requests wait for a busy one's slots to come back).
                 max(config.cluster.lease_ms, config.scheduler.high.max_wait_ms),
             )
-            self._leases.reapply()
+            self._capacity.reapply()
 
     # ---- the request path ----------------------------------------------------------------
 
@@ -213,9 +215,8 @@ class Pool:
     ) -> tuple[int, Priority, Affinity, int]:
         """Waits for a slot: (instance index, the class it waited in, where it landed relative
         to its affinity key, the leading blocks of `prefix` it holds). See `PoolScheduler`."""
-        if self._leases is not None:
-            # SPEC §13: only instances this replica holds a lease of (a local mask, no Redis).
-            excluded = await self._leases.admit(excluded)
+        # SPEC §13: only instances this replica holds a lease of (a local mask, no Redis).
+        excluded = await self._capacity.admit(excluded)
         return await self._scheduler.acquire(
             ticket, priority, tenant, excluded, affinity_key, prefix
         )
@@ -227,8 +228,7 @@ class Pool:
         """An attempt ended: its slot goes back. This never raises (it runs in `finally`
         blocks, and a slot that is not given back is lost until a restart)."""
         try:
-            if self._leases is not None:
-                self._leases.guard()  # SPEC §13 self-fencing before the slot is re-granted
+            self._capacity.guard()  # SPEC §13 self-fencing before the slot is re-granted
             self._scheduler.release(ticket, outcome, retry_after_ms)
         except (KeyboardInterrupt, SystemExit, asyncio.CancelledError):
             raise
@@ -247,8 +247,7 @@ class Pool:
         return self._core.claim_probe(index, now_ms(), max(1, interval_ms * 9 // 10))
 
     def record_probe(self, index: int, ok: bool) -> None:
-        if self._leases is not None:
-            self._leases.guard()
+        self._capacity.guard()
         self._scheduler.record_probe(index, ok)
 
     def set_backend_load(self, index: int, upstream: Upstream, load: BackendLoad | None) -> None:
@@ -282,8 +281,7 @@ class Pool:
         return self._scheduler.fail_all_waiting(make)
 
     def tick(self) -> None:
-        if self._leases is not None:
-            self._leases.guard()
+        self._capacity.guard()
         self._scheduler.tick()
 
     # ---- SPEC §13 cluster leases: the cluster sync's door ---------------------------------
@@ -292,12 +290,7 @@ class Pool:
         """This replica's share per instance index: a fresh lease valid until `expiry_ms`
         (monotonic ms; the replica fences itself then unless renewed), or with
         `expiry_ms=None` a static share that does not expire (Redis unreachable)."""
-        if self._leases is None:
-            raise RuntimeError(f"pool {self.name}: cluster mode is off")
-        if expiry_ms is None:
-            self._leases.set_static(slots)
-        else:
-            self._leases.apply(slots, expiry_ms)
+        self._capacity.assign(slots, expiry_ms)  # RuntimeError when cluster mode is off
         self.tick()  # capacity that came with the lease serves the queue at once
 
     # ---- what people and the prober see ---------------------------------------------------
@@ -310,8 +303,7 @@ class Pool:
 
     def snapshot(self, now: int | None = None) -> PoolSnapshot:
         now = now_ms() if now is None else now
-        if self._leases is not None:
-            self._leases.guard()  # SPEC §13: an expired lease reads as fenced, never as held
+        self._capacity.guard()  # SPEC §13: an expired lease reads as fenced, never as held
         core = self._core
         free_slots = core.free_slots(now)  # first: in a worker this reads the others' state
         stats = core.stats()
@@ -345,22 +337,22 @@ class Pool:
             balancer=self.balancer,
             affinity_hits=stats.affinity_hits,
             affinity_spills=stats.affinity_spills,
-            lease_waiting=0 if self._leases is None else self._leases.waiting,
-            lease_fenced=self._leases is not None and self._leases.fenced,
+            lease_waiting=self._capacity.waiting,
+            lease_fenced=self._capacity.fenced,
         )
 
     def _instance_snapshot(
         self, i: int, up: Upstream, info: _core.InstanceInfo, now: int
     ) -> InstanceSnapshot:
         state = _display_state(info, now)
-        leases = self._leases
+        capacity = self._capacity
         return InstanceSnapshot(
             index=i,
             name=up.name,
             state=state,
             circuit=info.state,
             in_flight=info.in_flight + info.peer_in_flight,  # SPEC §12: every worker's
-            max_concurrency=info.max_concurrency if leases is None else up.spec.max_concurrency,
+            max_concurrency=capacity.shown_max(info.max_concurrency, up.spec.max_concurrency),
             consecutive_failures=info.consecutive_failures,
             ejected_until_ms=info.ejected_until_ms,
             cooling_until_ms=info.cool_until_ms if state == "cooling" else None,
@@ -369,7 +361,7 @@ class Pool:
             removed=info.removed,
             last_error=self._last_errors.get(up),
             backend=self._backend.get(up),
-            lease=None if leases is None else leases.lease(i),
+            lease=capacity.lease(i),
             prefix_index=(info.prefix_blocks, info.prefix_capacity) if self.affine else None,
         )
 
@@ -418,8 +410,7 @@ class Pool:
             if name in kept:
                 continue
             idx = self._core.add_instance(inst.max_concurrency, stable_id(inst.name))
-            if self._leases is not None:
-                self._leases.forget(idx)  # a reused slot: its old lease was another's
+            self._capacity.forget(idx)  # a reused slot: its old lease was another's
             fresh = Upstream(inst, config.timeouts)
             if idx < len(self._upstreams):
                 # A drained, removed slot is reused; its old connections are closed later.
@@ -427,9 +418,8 @@ class Pool:
                 self._upstreams[idx] = fresh
             else:
                 self._upstreams.append(fresh)
-        if self._leases is not None:
-            # SPEC §13: a configured capacity is never a cap here; new instances wait for a lease.
-            self._leases.reapply()
+        # SPEC §13: a configured capacity is never a cap here; new instances wait for a lease.
+        self._capacity.reapply()
         self.tick()  # new capacity serves the queue at once
 
     def retire(self) -> None:

@@ -121,9 +121,19 @@ class LocalLeases:
 
     # ---- the sync task's side --------------------------------------------------------------
 
-    def lease(self, index: int) -> int:
+    def lease(self, index: int) -> int | None:
         """Slots of instance `index` this replica may use now (0: blocked)."""
         return 0 if (self.blocked >> index) & 1 else self._slots.get(index, 0)
+
+    def assign(self, slots: dict[int, int], expiry_ms: int | None) -> None:
+        """`Capacity.assign`: a fresh lease until `expiry_ms`, or (None) the static share."""
+        if expiry_ms is None:
+            self.set_static(slots)
+        else:
+            self.apply(slots, expiry_ms)
+
+    def shown_max(self, core_max: int, configured: int) -> int:
+        return configured  # the core's cap is this replica's share
 
     def apply(self, slots: dict[int, int], expiry_ms: int) -> None:
         """A fresh lease from Redis: these slots per index, valid until `expiry_ms` (monotonic).
