@@ -1470,14 +1470,7 @@ fn place_affine(
     let mut lens = [0u32; 64];
     let longest = prefixes.matches(blocks, ring.members(), &mut lens);
     let branches = prefixes.branches(blocks, &lens, longest);
-    // SPEC §15: a request with nothing to lose spills above the average, not the bound —
-    // but an instance with one request (a sequential client's previous one, not released
-    // yet) is never too busy for a new prefix, so an idle pool's workers still agree.
-    let cold_cap = affinity::capacity(total, up, 0).max(2);
-    let caps = (cap, cold_cap);
-    prefix::place(
-        ring, blocks, &lens, longest, branches, caps, candidate, load,
-    )
+    prefix::place(ring, blocks, &lens, longest, branches, cap, candidate, load)
 }
 
 /// What places a request in an `affinity` pool: its session key (0: none), its prompt

@@ -18,9 +18,11 @@
 //!   it was sent (an LRU of `C`, without timestamps, that errs on remembering: a block the
 //!   backend evicted costs a request that goes there what it costs anywhere — the prefill —
 //!   but a run the index forgot sends the request away from the one instance that holds it;
-//!   with generations of `C/2`, under `C`, chats of 2-8 turns (D) lost a tenth of their
-//!   cached share). A pool-wide map keeps, per
-//!   block, the bit set of the instances holding it, so one lookup answers for every instance.
+//!   with generations of `C/2`, under `C`, a conversation silent for 1-2 s was often
+//!   forgotten while its backend still held it, and went back to the ring's instance: chats
+//!   of 2-8 turns (D) lost 6 of the 62 points of cached share they reach now). A pool-wide
+//!   map keeps, per block, the bit set of the instances holding it, so one lookup answers for
+//!   every instance.
 //! - **Prefix closure.** A request's blocks are recorded tail first, so its head is never
 //!   older than its tail: an instance holding block `k` of a prompt holds blocks `1..k` too
 //!   (block `k`'s hash implies them). The holders of a prompt's blocks then shrink
@@ -32,11 +34,7 @@
 //!   prefix's first request was placed in), or, once every instance holds the run, from the
 //!   first block none holds. A new prefix goes by the ring of its first block; a new problem
 //!   behind a short shared head by the ring of its first block after the head (the spread
-//!   rule). The bounded-load rule of `affinity.rs` then applies along that ranking — for a
-//!   request no instance holds more of than the others (nothing to lose by moving), at the
-//!   pool's average instead of `1 + ε` times it, so new conversations fill the instances
-//!   below the average and the headroom above it is left to the turns that would lose their
-//!   history by spilling.
+//!   rule). The bounded-load rule of `affinity.rs` then applies along that ranking.
 //!
 //! Alternatives not taken: a radix tree of characters (SGLang's router) — pointers cannot
 //! live in a shared region and eviction sweeps the tree; scoring by the matched *share* of the
@@ -379,7 +377,7 @@ pub fn place(
     lens: &[u32; 64],
     longest: u32,
     branches: bool,
-    (cap, cold_cap): (u64, u64),
+    cap: u64,
     candidate: impl Fn(usize) -> bool,
     load: impl Fn(usize) -> u64,
 ) -> Option<(usize, Affinity, u32)> {
@@ -432,18 +430,6 @@ pub fn place(
     }
     // Longest run first; ties by their rank, else the ring order (a stable sort).
     order.sort_by_key(|e| (std::cmp::Reverse(e.0), e.1));
-    // Nothing to lose: no instance holds more of the prompt than every other (a new prefix,
-    // or a shared head every instance holds). Such a request takes the ring's instance only
-    // while it is at most at the pool's average (`cold_cap`), not up to `(1 + ε)` times it:
-    // the headroom above the average is kept for the requests that lose their run when they
-    // spill. With the full bound for new prefixes too, chats of 2-8 turns (D) spilled 9 % of
-    // their turns — each a whole history prefilled again elsewhere, nearly all of the gap to
-    // the oracle, which places new conversations on the least loaded instance.
-    let cap = if order.last().is_some_and(|e| e.0 == order[0].0) {
-        cold_cap.min(cap)
-    } else {
-        cap
-    };
     let mut fallback: Option<(usize, u64, u32)> = None;
     let label = |rank: usize| {
         if rank == 0 {
@@ -624,7 +610,7 @@ mod tests {
         let mut lens = [0; 64];
         lens[1] = 30;
         lens[2] = 20;
-        let got = place(&ring, &p, &lens, 30, true, (5, 5), |_| true, |_| 0);
+        let got = place(&ring, &p, &lens, 30, true, 5, |_| true, |_| 0);
         assert_eq!(got, Some((1, Affinity::Hit, 30)));
         // instance 1 at the bound: the next longest
         let got = place(
@@ -633,7 +619,7 @@ mod tests {
             &lens,
             30,
             true,
-            (5, 5),
+            5,
             |_| true,
             |i| if i == 1 { 5 } else { 0 },
         );
@@ -642,7 +628,7 @@ mod tests {
         let cold = [0; 64];
         let first = ring.first(p[0]).unwrap();
         assert_eq!(
-            place(&ring, &p, &cold, 0, false, (5, 5), |_| true, |_| 0),
+            place(&ring, &p, &cold, 0, false, 5, |_| true, |_| 0),
             Some((first, Affinity::Hit, 0))
         );
     }
@@ -658,7 +644,7 @@ mod tests {
         for tail in 100..140u64 {
             let tail = tail.wrapping_mul(0x9e37_79b9_7f4a_7c15);
             let p: Vec<u64> = (1..=20).chain([tail, tail ^ 1]).collect();
-            let got = place(&ring, &p, &lens, 20, false, (5, 5), |_| true, |_| 0);
+            let got = place(&ring, &p, &lens, 20, false, 5, |_| true, |_| 0);
             assert_eq!(got, Some((held[1], Affinity::Hit, 20)));
         }
         // held everywhere: the new part decides, so requests spread
@@ -668,31 +654,10 @@ mod tests {
                 let p: Vec<u64> = (1..=20)
                     .chain([tail.wrapping_mul(0x9e37_79b9_7f4a_7c15)])
                     .collect();
-                place(&ring, &p, &all, 20, false, (5, 5), |_| true, |_| 0).map(|g| g.0)
+                place(&ring, &p, &all, 20, false, 5, |_| true, |_| 0).map(|g| g.0)
             })
             .collect();
         assert!(homes.len() >= 3, "{homes:?}");
-    }
-
-    #[test]
-    fn a_new_prefix_spills_above_the_average_a_held_run_only_above_the_bound() {
-        let ring = HashRing::new([(0, 11), (1, 22), (2, 33)]);
-        let p: Vec<u64> = (1..=40).collect();
-        let order: Vec<_> = ring.successors(p[0]).collect();
-        let load = |i: usize| if i == order[0] { 4 } else { 0 };
-        // cold: its ring instance is at 4, over the average cap 3: the next one takes it
-        let cold = [0; 64];
-        let got = place(&ring, &p, &cold, 0, false, (6, 3), |_| true, load);
-        assert_eq!(got, Some((order[1], Affinity::Spill, 0)));
-        // held there: it stays up to the bound (6)
-        let mut lens = [0; 64];
-        lens[order[0]] = 30;
-        let got = place(&ring, &p, &lens, 30, false, (6, 3), |_| true, load);
-        assert_eq!(got, Some((order[0], Affinity::Hit, 30)));
-        // held everywhere alike (a system prompt): nothing to lose, the average applies
-        let all = [30; 64];
-        let got = place(&ring, &p, &all, 30, false, (6, 3), |_| true, load);
-        assert_ne!(got.map(|g| g.0), Some(order[0]));
     }
 
     #[test]
@@ -705,12 +670,12 @@ mod tests {
         // the head (4 blocks) is held by a non-home instance; 36 new blocks: spread
         lens[order[1]] = 4;
         assert_eq!(
-            place(&ring, &p, &lens, 4, true, (5, 5), |_| true, |_| 0),
+            place(&ring, &p, &lens, 4, true, 5, |_| true, |_| 0),
             Some((order[0], Affinity::Hit, 0))
         );
         // not at a branch (a conversation's short first turn): the run keeps its instance
         assert_eq!(
-            place(&ring, &p, &lens, 4, false, (5, 5), |_| true, |_| 0),
+            place(&ring, &p, &lens, 4, false, 5, |_| true, |_| 0),
             Some((order[1], Affinity::Hit, 4))
         );
         // a long held run (a conversation's history, 12 of 16 blocks) keeps its instance
@@ -718,7 +683,7 @@ mod tests {
         let order: Vec<_> = ring.successors(q[12]).collect();
         lens = [0; 64];
         lens[order[1]] = 12;
-        let got = place(&ring, q, &lens, 12, true, (5, 5), |_| true, |_| 0);
+        let got = place(&ring, q, &lens, 12, true, 5, |_| true, |_| 0);
         assert_eq!(got, Some((order[1], Affinity::Hit, 12)));
     }
 }
