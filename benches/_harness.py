@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -165,6 +166,25 @@ class WrkResult:
     requests: int
     cpu_us: float | None  # CPU time of the measured process per request (None: not measured)
     name: str = ""
+
+
+def one_pool_config(port: int, mock_port: int, max_concurrency: int) -> tuple[Path, Path]:
+    """A temporary directory and the one-pool gateway config in it (one instance: the mock)."""
+    tmp = Path(tempfile.mkdtemp())
+    cfg = tmp / "gateway.yaml"
+    cfg.write_text(
+        textwrap.dedent(f"""\
+        listen: {{host: 127.0.0.1, port: {port}}}
+        pools:
+          p:
+            instances:
+              - {{name: a, url: "http://127.0.0.1:{mock_port}/v1", model: up,
+                  max_concurrency: {max_concurrency}}}
+        models:
+          m: {{pool: p}}
+        """)
+    )
+    return tmp, cfg
 
 
 def wrk_latency_ms(text: str, pct: str) -> float:

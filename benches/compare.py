@@ -32,11 +32,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 import zipfile
 from pathlib import Path
 
-from _harness import PY, ROOT, Processes, free_port, run_wrk, wait_port
+from _harness import PY, ROOT, Processes, free_port, one_pool_config, run_wrk, wait_port
 
 BODY = (
     '{"model":"m","messages":[{"role":"user","content":'
@@ -128,20 +127,7 @@ def e2e_cpu(tree: Path, mock_port: int, duration: float) -> float:
     """CPU µs per request of `tree`'s gateway (default configuration: access log on, into a
     file), proxying to the mock under wrk at 64 connections; gateway on core 0, wrk on 1."""
     port = free_port()
-    tmp = Path(tempfile.mkdtemp())
-    cfg = tmp / "gateway.yaml"
-    cfg.write_text(
-        textwrap.dedent(f"""\
-        listen: {{host: 127.0.0.1, port: {port}}}
-        pools:
-          p:
-            instances:
-              - {{name: a, url: "http://127.0.0.1:{mock_port}/v1", model: up,
-                  max_concurrency: 1000}}
-        models:
-          m: {{pool: p}}
-        """)
-    )
+    tmp, cfg = one_pool_config(port, mock_port, max_concurrency=1000)
     with Processes() as procs, (tmp / "gateway.log").open("wb") as log:
         gw = procs.spawn(
             "0",

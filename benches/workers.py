@@ -62,7 +62,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from _harness import CLK_TCK, PY, Processes, WrkResult, cpu_seconds, free_port, run_wrk, wait_port
+from _harness import (
+    CLK_TCK,
+    PY,
+    Processes,
+    WrkResult,
+    cpu_seconds,
+    free_port,
+    one_pool_config,
+    run_wrk,
+    wait_port,
+)
 
 BODY = (
     '{"model":"m","messages":[{"role":"user","content":'
@@ -133,31 +143,12 @@ def children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def _gateway_config(port: int, mock_port: int, max_concurrency: int) -> tuple[Path, Path]:
-    """A temporary directory and the one-pool gateway config in it (one instance: the mock)."""
-    tmp = Path(tempfile.mkdtemp())
-    cfg = tmp / "gateway.yaml"
-    cfg.write_text(
-        textwrap.dedent(f"""\
-        listen: {{host: 127.0.0.1, port: {port}}}
-        pools:
-          p:
-            instances:
-              - {{name: a, url: "http://127.0.0.1:{mock_port}/v1", model: up,
-                  max_concurrency: {max_concurrency}}}
-        models:
-          m: {{pool: p}}
-        """)
-    )
-    return tmp, cfg
-
-
 # --- throughput ---------------------------------------------------------------------------
 
 
 def throughput(args: argparse.Namespace) -> None:
     mock_port, w1_port, w2_port, bare_port, bare1_port = (free_port() for _ in range(5))
-    tmp, cfg = _gateway_config(w1_port, mock_port, max_concurrency=100_000)
+    tmp, cfg = one_pool_config(w1_port, mock_port, max_concurrency=100_000)
     upstream = f"http://127.0.0.1:{mock_port}"
     with Processes() as procs:
         if args.backend == "nginx":
@@ -370,7 +361,7 @@ def queued(args: argparse.Namespace) -> None:
     latency percentiles and max over all requests, and requests per connection (min / max):
     how evenly the unit went round."""
     mock_port, w1_port, w2_port = (free_port() for _ in range(3))
-    _, cfg = _gateway_config(w1_port, mock_port, max_concurrency=1)
+    _, cfg = one_pool_config(w1_port, mock_port, max_concurrency=1)
     conns = 8
     with Processes() as procs:
         mock = procs.spawn(
