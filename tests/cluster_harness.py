@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from redis_fixture import free_port
+from support import free_port
 
 __all__ = ["Replica"]
 

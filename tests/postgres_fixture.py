@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from redis_fixture import free_port
+from support import free_port
 
 __all__ = ["PG_BIN", "PostgresServer", "pg_server", "require_postgres"]
 

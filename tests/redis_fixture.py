@@ -8,23 +8,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 from redis.asyncio import Redis
 
-__all__ = ["REDIS_SERVER", "RedisServer", "free_port"]
+from support import free_port
+
+__all__ = ["REDIS_SERVER", "RedisServer"]
 
 REDIS_SERVER = shutil.which("redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class RedisServer:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -115,6 +116,13 @@ async def eventually(
             return
         assert time.monotonic() < deadline, f"{what} never held within {within} s"
         await asyncio.sleep(0.005)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a process the test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def pool_config(*instances: MockServer | tuple[MockServer, int], **extra: Any) -> dict[str, Any]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import socket
 import sys
 import textwrap
 from pathlib import Path
@@ -19,16 +18,11 @@ import pytest
 from gateway.events import RequestFinished
 from gateway.logs import ACCESS_FIELDS, AccessLog, Sink
 from gateway.sim.mock import MockServer
+from support import free_port
 
 GATEWAY = [sys.executable, "-m", "gateway.cli"]
 CLIENT_KEY = "sk-client-canary-31d2a9"
 UPSTREAM_KEY = "sk-upstream-canary-77a0e4"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _config(tmp_path: Path, url: str, port: int) -> Path:
@@ -55,7 +49,7 @@ def _config(tmp_path: Path, url: str, port: int) -> Path:
 
 
 async def _serve(tmp_path: Path, url: str, fmt: str) -> tuple[asyncio.subprocess.Process, str]:
-    port = _free_port()
+    port = free_port()
     proc = await asyncio.create_subprocess_exec(
         *GATEWAY,
         "--log-format",

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -20,15 +19,9 @@ import pytest
 import yaml
 
 from gateway.config import Config
-from support import MockFactory, eventually
+from support import MockFactory, eventually, free_port
 
 GATEWAY = [sys.executable, "-m", "gateway.cli"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _config(tmp_path: Path, url: str, port: int, extra: str = "") -> Path:
@@ -102,7 +95,7 @@ async def test_serve_then_sigterm_drains_in_flight_requests(
     tmp_path: Path, mocks: MockFactory
 ) -> None:
     m = await mocks(latency_ms=600)
-    port = _free_port()
+    port = free_port()
     path = _config(tmp_path, m.url, port)
     env = {**os.environ, "UPSTREAM_KEY": "sk-canary-0123456789"}
     proc = await asyncio.create_subprocess_exec(
@@ -163,7 +156,7 @@ async def _eventually_models(url: str, want: list[str]) -> None:
 @pytest.mark.timeout(60)
 async def test_watch_and_sighup_reload_the_config(tmp_path: Path, mocks: MockFactory) -> None:
     m = await mocks()
-    port = _free_port()
+    port = free_port()
     path = _config(tmp_path, m.url, port)
     env = {**os.environ, "UPSTREAM_KEY": "k"}
     proc = await asyncio.create_subprocess_exec(
@@ -212,7 +205,7 @@ async def test_sigterm_past_the_drain_deadline_answers_everyone(
     tmp_path: Path, mocks: MockFactory
 ) -> None:
     m = await mocks(latency_ms=5000, tokens_per_s=2, default_tokens=50)
-    port = _free_port()
+    port = free_port()
     path = _config(tmp_path, m.url, port)
     path.write_text(path.read_text().replace("drain_timeout_ms: 3000", "drain_timeout_ms: 500"))
     proc = await asyncio.create_subprocess_exec(

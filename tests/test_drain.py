@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import sys
 import textwrap
 import time
@@ -21,17 +20,11 @@ import pytest
 from gateway.config import parse_config
 from gateway.server import Server
 from gateway.sim.mock import MockServer
-from support import MockFactory, eventually
+from support import MockFactory, eventually, free_port
 
 GATEWAY = [sys.executable, "-m", "gateway.cli"]
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 pytestmark = pytest.mark.timeout(60)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _config(m: MockServer, port: int, delay_ms: int, timeout_ms: int = 25_000) -> str:
@@ -108,7 +101,7 @@ async def test_sigterm_keeps_serving_through_the_delay_then_drains(
     tmp_path: Path, mocks: MockFactory
 ) -> None:
     m = await mocks(latency_ms=3800, latency_dist="fixed")
-    port = _free_port()
+    port = free_port()
     async with serving(tmp_path, _config(m, port, delay_ms=3000), port) as gw:
         # In flight at the signal, and still after the delay.
         slow = asyncio.create_task(gw.chat())
@@ -148,7 +141,7 @@ async def test_a_second_signal_skips_the_delay_and_a_third_ends_the_drain(
     tmp_path: Path, mocks: MockFactory
 ) -> None:
     m = await mocks(latency_ms=20_000, latency_dist="fixed")
-    port = _free_port()
+    port = free_port()
     async with serving(tmp_path, _config(m, port, delay_ms=30_000), port) as gw:
         slow = asyncio.create_task(gw.chat())
         await eventually(lambda: m.stats.in_flight == 1, what="the slow request started")

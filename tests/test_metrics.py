@@ -6,7 +6,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import sys
 import textwrap
 import time
@@ -21,7 +20,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.logs import JsonFormatter, TextFormatter
 from gateway.metrics import Metrics
 from gateway.redact import RedactingFilter
-from support import GatewayFactory, MockFactory, RunningGateway, chat, pool_config, simple_config
+from support import (
+    GatewayFactory,
+    MockFactory,
+    RunningGateway,
+    chat,
+    free_port,
+    pool_config,
+    simple_config,
+)
 
 
 async def _scrape(
@@ -371,7 +378,7 @@ async def test_metrics_key_with_workers(tmp_path: Path, mocks: MockFactory) -> N
     """SPEC §12: any worker answers /metrics for the whole gateway — the same 401 without a
     key, and the per-key counts of every worker summed (through the snapshot path)."""
     m = await mocks()
-    port = _free_port()
+    port = free_port()
     path = tmp_path / "gateway.yaml"
     path.write_text(
         textwrap.dedent(
@@ -448,12 +455,6 @@ async def test_metrics_key_with_workers(tmp_path: Path, mocks: MockFactory) -> N
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_per_key_series_survive_the_workers_snapshot_sum(tmp_path: Path) -> None:

@@ -26,9 +26,9 @@ from gateway.config import parse_config
 from gateway.config.schema import Affinity as AffinityConfig
 from gateway.errors import ConfigError
 from redis_fixture import REDIS_SERVER, RedisServer
-from support import GatewayFactory, MockFactory, chat, pool_config, simple_config
+from support import GatewayFactory, MockFactory, chat, free_port, pool_config, simple_config
 from test_cluster import _cluster_config, _leased, until
-from test_workers import _free_port, _instances, _write, workers
+from test_workers import _instances, _write, workers
 
 HIGH = Priority.HIGH
 INSTRUCTION = (
@@ -427,7 +427,7 @@ async def test_a_vllm_instance_bounds_its_index_by_its_own_cache(
 @pytest.mark.timeout(60)
 async def test_the_access_log_shows_the_matched_length(tmp_path: Path, mocks: MockFactory) -> None:
     backends = [await mocks(latency_ms=1.0) for _ in range(2)]
-    port = _free_port()
+    port = free_port()
     path = tmp_path / "gateway.yaml"
     _write(path, port, _instances(*[(m, 8) for m in backends]), "balancer: affinity")
     proc = await asyncio.create_subprocess_exec(

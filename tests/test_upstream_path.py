@@ -25,6 +25,7 @@ from support import (
     MockFactory,
     RunningGateway,
     chat,
+    free_port,
     pool_config,
     simple_config,
 )
@@ -111,14 +112,6 @@ async def test_malformed_header_is_an_openai_400_that_echoes_nothing(
     await gw.assert_quiet()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.timeout(60)
 async def test_no_key_reaches_the_log_even_from_aiohttp_and_tracebacks(
     tmp_path: Path, mocks: MockFactory
@@ -127,7 +120,7 @@ async def test_no_key_reaches_the_log_even_from_aiohttp_and_tracebacks(
     upstream that echoes the gateway's key in its errors, and the admin key: none of the three
     appears anywhere on stderr, and no traceback is logged for a client's bad bytes."""
     m = await mocks(fail_rate=1.0, fail_status=500)
-    port = _free_port()
+    port = free_port()
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(
         orjson.dumps(

@@ -20,16 +20,10 @@ import orjson
 import pytest
 
 from gateway.sim.mock import MockServer
-from support import MockFactory
+from support import MockFactory, free_port
 
 GATEWAY = [sys.executable, "-m", "gateway.cli"]
 pytestmark = pytest.mark.timeout(120)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _instances(*items: tuple[MockServer, int]) -> str:
@@ -155,7 +149,7 @@ async def workers(
     drain_delay_ms: int = 0,
     stderr: int | None = None,
 ) -> AsyncIterator[Workers]:
-    port = _free_port()
+    port = free_port()
     path = tmp_path / "gateway.yaml"
     _write(path, port, instances, extra, drain_delay_ms=drain_delay_ms)
     proc = await asyncio.create_subprocess_exec(
@@ -635,7 +629,7 @@ async def test_without_memfd_and_pidfd_one_process_serves_and_workers_say_so(
     """SPEC §18: a platform without memfd, pidfd, eventfd or SO_REUSEPORT (here: Python's
     os and socket without them, removed before the gateway is imported)."""
     m = await mocks(latency_ms=5)
-    port = _free_port()
+    port = free_port()
     path = tmp_path / "gateway.yaml"
     _write(path, port, _instances((m, 4)))
     proc = await asyncio.create_subprocess_exec(
