@@ -231,6 +231,20 @@ def _instance_doc(i: InstanceSnapshot, offset: float) -> dict[str, Any]:
             if i.prefix_index is not None
             else {}
         ),
+        # SPEC §17: the cap in force (an adaptive instance's current limit) and the latency
+        # model's view: p90 predictions for a typical request now, their mean absolute
+        # errors, the share of TTFT samples within the p90 band, and whether it is calibrated.
+        "concurrency_limit": i.concurrency_limit,
+        "adaptive": i.adaptive,
+        "prediction": {
+            "ttft_ms": round(i.predicted_ttft_ms, 1),
+            "tpot_ms": round(i.predicted_tpot_ms, 2),
+            "ttft_error_ms": round(i.ttft_mae_ms, 1),
+            "tpot_error_ms": round(i.tpot_mae_ms, 2),
+            "ttft_coverage": round(i.ttft_coverage, 3),
+            "samples": round(i.samples, 1),
+            "calibrated": i.calibrated,
+        },
         # SPEC §15: what a vLLM backend last reported of its own load (null: not read).
         "backend": (
             {"waiting": i.backend.waiting, "gpu_cache_usage": i.backend.gpu_cache_usage}

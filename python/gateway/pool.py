@@ -28,7 +28,7 @@ from gateway.cluster.local import LocalLeases
 from gateway.config import Config, PoolSpec
 from gateway.errors import GatewayError
 from gateway.events import Events, InstanceChanged
-from gateway.scheduler import PoolScheduler, now_ms
+from gateway.scheduler import _SLO_CORE, PoolScheduler, now_ms
 from gateway.topology import WorkerLink
 from gateway.upstream import Upstream
 
@@ -43,6 +43,8 @@ _BALANCERS = {
     "random": _core.Balancer.RANDOM,
     "p2c": _core.Balancer.P2C,
     "affinity": _core.Balancer.AFFINITY,
+    # SPEC §17: the most headroom under the request's objective, by the latency model.
+    "predicted": getattr(_core.Balancer, "PREDICTED", _core.Balancer.LEAST_CONNECTIONS),
 }
 
 
@@ -100,6 +102,20 @@ class InstanceSnapshot:
     # SPEC §15 (`balancer: affinity`): prompt blocks the index remembers as sent to it, and
     # its bound (the instance's cache size in blocks); None in other pools.
     prefix_index: tuple[int, int] | None = None
+    # SPEC §17: the cap in force (an adaptive instance's current limit, else its
+    # max_concurrency), whether it is adaptive, and the latency model's view of it: p90 TTFT
+    # and TPOT of a typical request sent there now (ms), their mean absolute errors (ms), the
+    # share of TTFT samples within the p90 band, the samples learnt from (decayed), and
+    # whether the predictions are calibrated (only then do they place or shed requests).
+    concurrency_limit: int = 0
+    adaptive: bool = False
+    predicted_ttft_ms: float = 0.0
+    predicted_tpot_ms: float = 0.0
+    ttft_mae_ms: float = 0.0
+    tpot_mae_ms: float = 0.0
+    ttft_coverage: float = 0.0
+    samples: float = 0.0
+    calibrated: bool = False
 
     @property
     def usable(self) -> bool:
@@ -185,7 +201,12 @@ class Pool:
         # SPEC §15: the latest backend load reading per upstream (vLLM instances).
         self._backend: dict[Upstream, BackendLoad] = {}
         for inst in spec.instances:
-            self._core.add_instance(inst.max_concurrency, stable_id(inst.name))
+            if not _SLO_CORE:
+                self._core.add_instance(inst.max_concurrency, stable_id(inst.name))
+            else:
+              self._core.add_instance(
+                inst.max_concurrency, stable_id(inst.name), inst.adaptive_concurrency
+            )
             self._upstreams.append(Upstream(inst, config.timeouts))
         # Where slots come from beyond the core's counters: its own (one process, or a worker
         # on the region), or SPEC §13 this replica's leased share of each instance (nothing
@@ -212,24 +233,57 @@ class Pool:
         excluded: int = 0,
         affinity_key: int = 0,
         prefix: _core.Prefix | None = None,
+        deadline_ms: int = 0,
+        prompt_tokens: int = 0,
     ) -> tuple[int, Priority, Affinity, int]:
         """Waits for a slot: (instance index, the class it waited in, where it landed relative
         to its affinity key, the leading blocks of `prefix` it holds). See `PoolScheduler`."""
         # SPEC §13: only instances this replica holds a lease of (a local mask, no Redis).
         excluded = await self._capacity.admit(excluded)
         return await self._scheduler.acquire(
-            ticket, priority, tenant, excluded, affinity_key, prefix
+            ticket, priority, tenant, excluded, affinity_key, prefix, deadline_ms, prompt_tokens
         )
+
+    def attainable(self, priority: Priority, deadline_ms: int, prompt_tokens: int) -> int:
+        """SPEC §17 "Unattainable": 0 when an instance of this pool is predicted to meet the
+        deadline (or nothing is calibrated yet: fail open), else when it may be, in ms."""
+        if not _SLO_CORE:
+            return 0
+        return self._core.attainable(priority, deadline_ms, prompt_tokens, now_ms())
+
+    def best_ttft_ms(self, prompt_tokens: int) -> float:
+        """The lowest p90 TTFT predicted for a request of this size on a live instance of
+        this pool now (inf: none), to rank pools by speed."""
+        now = now_ms()
+        core = self._core
+        best = float("inf")
+        if not _SLO_CORE:
+            return best
+        for i in range(len(self._upstreams)):
+            info = core.instance(i, now)
+            if info.removed or info.state is InstanceState.EJECTED or not info.calibrated:
+                continue
+            best = min(best, core.predict(i, prompt_tokens, now)[0])
+        return best
+
+    def first_token(self, ticket: int) -> None:
+        """SPEC §17: the first content token of `ticket`'s attempt arrived (never raises)."""
+        try:
+            self._scheduler.first_token(ticket)
+        except Exception:
+            log.exception("recording a first token failed", extra={"fields": {"pool": self.name}})
 
     def upstream(self, index: int) -> Upstream:
         return self._upstreams[index]
 
-    def release(self, ticket: int, outcome: Outcome, retry_after_ms: int = 0) -> None:
+    def release(
+        self, ticket: int, outcome: Outcome, retry_after_ms: int = 0, output_tokens: int = 0
+    ) -> None:
         """An attempt ended: its slot goes back. This never raises (it runs in `finally`
         blocks, and a slot that is not given back is lost until a restart)."""
         try:
             self._capacity.guard()  # SPEC §13 self-fencing before the slot is re-granted
-            self._scheduler.release(ticket, outcome, retry_after_ms)
+            self._scheduler.release(ticket, outcome, retry_after_ms, output_tokens)
         except (KeyboardInterrupt, SystemExit, asyncio.CancelledError):
             raise
         except BaseException:
@@ -292,6 +346,12 @@ class Pool:
         `expiry_ms=None` a static share that does not expire (Redis unreachable)."""
         self._capacity.assign(slots, expiry_ms)  # RuntimeError when cluster mode is off
         self.tick()  # capacity that came with the lease serves the queue at once
+
+    @property
+    def lease_waiting(self) -> int:
+        """Requests waiting here for a lease (cheap: no snapshot; the host's member adds the
+        other workers' to its demand, SPEC §12 × §13)."""
+        return self._capacity.waiting
 
     # ---- what people and the prober see ---------------------------------------------------
 
@@ -363,6 +423,15 @@ class Pool:
             backend=self._backend.get(up),
             lease=capacity.lease(i),
             prefix_index=(info.prefix_blocks, info.prefix_capacity) if self.affine else None,
+            concurrency_limit=getattr(info, "concurrency_limit", 0),
+            adaptive=up.spec.adaptive_concurrency,
+            predicted_ttft_ms=getattr(info, "predicted_ttft_ms", 0),
+            predicted_tpot_ms=getattr(info, "predicted_tpot_ms", 0),
+            ttft_mae_ms=getattr(info, "ttft_mae_ms", 0),
+            tpot_mae_ms=getattr(info, "tpot_mae_ms", 0),
+            ttft_coverage=getattr(info, "ttft_coverage", 0),
+            samples=getattr(info, "samples", 0),
+            calibrated=getattr(info, "calibrated", 0),
         )
 
     def _on_transition(self, index: int, state: InstanceState) -> None:
@@ -404,12 +473,20 @@ class Pool:
                 self._core.remove_instance(idx)  # drains: in-flight attempts finish
                 continue
             self._core.set_max_concurrency(idx, inst.max_concurrency)
+            if _SLO_CORE:
+                self._core.set_adaptive(idx, inst.adaptive_concurrency)
             up.update(inst, config.timeouts)
             kept.add(up.name)
         for name, inst in wanted.items():
             if name in kept:
                 continue
-            idx = self._core.add_instance(inst.max_concurrency, stable_id(inst.name))
+            idx = (
+                self._core.add_instance(
+                    inst.max_concurrency, stable_id(inst.name), inst.adaptive_concurrency
+                )
+                if _SLO_CORE
+                else self._core.add_instance(inst.max_concurrency, stable_id(inst.name))
+            )
             self._capacity.forget(idx)  # a reused slot: its old lease was another's
             fresh = Upstream(inst, config.timeouts)
             if idx < len(self._upstreams):
