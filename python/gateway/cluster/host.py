@@ -1,0 +1,158 @@
+"""SPEC §12 × §13: `cluster:` with `--workers N` is one replica per host. One worker of the host
+— the *member* — talks to Redis for the pools' leases; it publishes the host's lease of every
+instance, and every worker applies it as the instance's cap in its core. The region already
+enforces a cap across workers (each worker's core passes its cap to the instance's shared
+in-flight word), so the same cap in every worker is the host's lease enforced across them.
+
+Which worker is the member: whoever holds an exclusive `flock` on a file in the supervisor's
+directory. The kernel drops the lock when its holder dies, `kill -9` included, so another
+worker takes the role at its next try (every renew period) and renews the host's lease under
+the same `replica_id` long before it could expire (the lease is valid `lease_ms − lease_ms/4`,
+1.5 s of a 2 s lease; the role moves within one renew period, 200 ms). The supervisor is not the
+member: it serves no HTTP and runs no pool (the demand and the hints are in the workers' pools
+and probes, `/admin/state` in their HTTP), and it is the one process whose crash takes the host
+down anyway — a Redis client bug there would take every worker with it. Nobody waits on the
+lock (`LOCK_NB`), and nothing on the request path touches it.
+
+What passes between the workers, through files in the supervisor's directory (written whole
+to a temporary name and renamed, so a reader never sees half of one, and a writer killed
+mid-write leaves the previous one):
+
+- `cluster-host.json`: the member's publication after each sync — per pool the slots of each
+  instance (by name) and the lease's expiry on the monotonic clock (CLOCK_MONOTONIC is
+  system-wide, so a follower self-fences at the same instant as the member: SPEC §13), or no
+  expiry on the static share (Redis unreachable); the lease state a new member continues from;
+  and the cluster block of `/admin/state`. A follower looks at it every tick (10 ms: one
+  `stat`), so a lease that shrank is applied everywhere long before the member's next report
+  (at least a quarter of `renew_ms` later) tells Redis the smaller floor.
+- `cluster-waiting.<slot>`: requests a follower holds waiting for a lease (every instance they
+  may use unleased: they wait before the shared queue, where the member cannot see them), per
+  pool, rewritten when it changes; the member adds them to the host's demand. The queues and
+  the in-flight counts are already the whole host's in the member's pool snapshot (the region).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from typing import Any
+
+import orjson
+
+__all__ = ["HostSeat"]
+
+_LOCK = "cluster.lock"
+_PUBLISHED = "cluster-host.json"
+_WAITING = "cluster-waiting."
+#: A follower's report of waiters is bounded (a hostile file cannot grow the member's memory).
+_MAX_REPORT_BYTES = 1 << 16
+
+
+class HostSeat:
+    """One worker's seat at its host's cluster membership (see the module doc)."""
+
+    def __init__(self, directory: str, slot: int, workers: int) -> None:
+        self.slot = slot
+        self.workers = workers
+        self._dir = directory
+        self._lock_path = os.path.join(directory, _LOCK)
+        self._published = os.path.join(directory, _PUBLISHED)
+        self._lock_fd: int | None = None
+        self._seen: tuple[int, int, int] | None = None
+        self._reported: dict[str, int] | None = None
+
+    # ---- the member role -------------------------------------------------------------------
+
+    @property
+    def member(self) -> bool:
+        return self._lock_fd is not None
+
+    def try_lead(self) -> bool:
+        """Takes the member role if nobody holds it (never waits); True while this worker is
+        the member."""
+        if self._lock_fd is not None:
+            return True
+        try:
+            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self._lock_fd = fd
+        return True
+
+    def resign(self) -> None:
+        """Gives the role up (at shutdown): another worker takes it at its next try."""
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def publish(self, doc: dict[str, Any]) -> None:
+        """The member's publication (whole, atomically renamed into place)."""
+        _write(self._published, orjson.dumps(doc))
+
+    # ---- every worker ----------------------------------------------------------------------
+
+    def changed(self) -> dict[str, Any] | None:
+        """The publication, if it changed since the last call (one `stat` otherwise)."""
+        try:
+            st = os.stat(self._published)
+        except OSError:
+            return None
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if stamp == self._seen:
+            return None
+        doc = self.read()
+        if doc is not None:
+            self._seen = stamp
+        return doc
+
+    def read(self) -> dict[str, Any] | None:
+        """The publication as it is now (None: none yet, or unreadable)."""
+        try:
+            with open(self._published, "rb") as f:
+                doc = orjson.loads(f.read())
+        except (OSError, orjson.JSONDecodeError):
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def report_waiting(self, waiting: dict[str, int]) -> None:
+        """This worker's requests waiting for a lease, per pool (written when it changed)."""
+        if waiting == self._reported:
+            return
+        self._reported = dict(waiting)
+        _write(os.path.join(self._dir, f"{_WAITING}{self.slot}"), orjson.dumps(waiting))
+
+    def others_waiting(self) -> dict[str, int]:
+        """The other workers' requests waiting for a lease, per pool, summed."""
+        out: dict[str, int] = {}
+        for k in range(self.workers):
+            if k == self.slot:
+                continue
+            try:
+                with open(os.path.join(self._dir, f"{_WAITING}{k}"), "rb") as f:
+                    doc = orjson.loads(f.read(_MAX_REPORT_BYTES))
+            except (OSError, orjson.JSONDecodeError):
+                continue
+            if not isinstance(doc, dict):
+                continue
+            for pool, n in doc.items():
+                if isinstance(n, int) and 0 < n < 1 << 31:
+                    out[pool] = out.get(pool, 0) + n
+        return out
+
+
+def _write(path: str, data: bytes) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
