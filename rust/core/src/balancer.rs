@@ -22,11 +22,19 @@
 //!   Kept for comparison in benchmarks; with a handful of instances a full scan is as cheap.
 //! - `affinity`: consistent hashing with bounded loads on the request's key (see
 //!   `affinity.rs`, placed by the pool); a request without a key goes as `least_connections`.
+//! - `predicted` (SPEC §17): the lowest predicted latency (`pick_scored`, scores from each
+//!   instance's latency model, see `latency.rs` and the pool); instances without a calibrated
+//!   model are explored one decision in `EXPLORE`, and with none calibrated the policy is
+//!   `least_connections`.
 
 use std::cmp::Ordering;
 
 use crate::rng::SplitMix64;
 use crate::types::BalancerKind;
+
+/// `predicted` explores an instance whose model is not calibrated one decision in this many
+/// (llm-d explores 1 %; a starved instance must win back samples within seconds, not minutes).
+pub const EXPLORE: usize = 32;
 
 /// How busy an instance is: `active / capacity` (compared exactly by cross-multiplying), then
 /// the backend's KV-cache usage.
@@ -85,8 +93,9 @@ impl Balancer {
         }
         let rotated = |cursor: usize| (0..n).map(move |k| (cursor + k) % n);
         let chosen = match self.kind {
-            // `Affinity` comes here only for requests without a key.
-            BalancerKind::LeastConnections | BalancerKind::Affinity => {
+            // `Affinity` comes here only for requests without a key; `Predicted` only while no
+            // model is calibrated.
+            BalancerKind::LeastConnections | BalancerKind::Affinity | BalancerKind::Predicted => {
                 let mut best: Option<(usize, Load)> = None;
                 for i in rotated(self.cursor).filter(|&i| candidate(i)) {
                     let l = load(i);
@@ -123,6 +132,59 @@ impl Balancer {
                     }
                 }
             }
+        };
+        if let Some(i) = chosen {
+            self.cursor = (i + 1) % n;
+        }
+        chosen
+    }
+}
+
+impl Balancer {
+    /// SPEC §17: the candidate with the lowest `score` (ties: the first after the cursor);
+    /// candidates without a score (an uncalibrated model) are explored one time in `EXPLORE`
+    /// by least connections among them, and are the only choice when no candidate has a score.
+    pub fn pick_scored(
+        &mut self,
+        n: usize,
+        candidate: impl Fn(usize) -> bool,
+        score: impl Fn(usize) -> Option<f64>,
+        load: impl Fn(usize) -> Load,
+    ) -> Option<usize> {
+        if n == 0 {
+            return None;
+        }
+        let mut best: Option<(usize, f64)> = None;
+        let mut unknown = 0u64;
+        for k in 0..n {
+            let i = (self.cursor + k) % n;
+            if !candidate(i) {
+                continue;
+            }
+            match score(i) {
+                Some(s) => {
+                    if best.is_none_or(|(_, b)| s < b) {
+                        best = Some((i, s));
+                    }
+                }
+                None => unknown |= 1 << i,
+            }
+        }
+        let explore = unknown != 0 && (best.is_none() || self.rng.below(EXPLORE) == 0);
+        let chosen = if explore {
+            let mut least: Option<(usize, Load)> = None;
+            for k in 0..n {
+                let i = (self.cursor + k) % n;
+                if unknown & (1 << i) != 0 {
+                    let l = load(i);
+                    if least.is_none_or(|(_, b)| l < b) {
+                        least = Some((i, l));
+                    }
+                }
+            }
+            least.map(|(i, _)| i)
+        } else {
+            best.map(|(i, _)| i)
         };
         if let Some(i) = chosen {
             self.cursor = (i + 1) % n;
@@ -194,6 +256,7 @@ mod tests {
             BalancerKind::Random,
             BalancerKind::P2c,
             BalancerKind::Affinity,
+            BalancerKind::Predicted,
         ] {
             let mut b = Balancer::new(kind, 7);
             let v = [(0, 1), (5, 9), (0, 1), (1, 2)];
@@ -203,5 +266,21 @@ mod tests {
             }
             assert_eq!(b.pick(4, |_| false, loads(&v)), None);
         }
+    }
+
+    #[test]
+    fn scored_picks_the_lowest_and_explores_the_unknown_now_and_then() {
+        let mut b = Balancer::new(BalancerKind::Predicted, 7);
+        let v = [(0, 4), (0, 4), (0, 4)];
+        let score = |i: usize| [Some(50.0), Some(5.0), None][i];
+        let picks: Vec<_> = (0..3200)
+            .map(|_| b.pick_scored(3, |_| true, score, loads(&v)).unwrap())
+            .collect();
+        let explored = picks.iter().filter(|&&i| i == 2).count();
+        assert_eq!(picks.iter().filter(|&&i| i == 0).count(), 0);
+        assert!((50..=150).contains(&explored), "{explored}");
+        // nothing scored: least connections over all
+        let v = [(3, 4), (1, 4), (2, 4)];
+        assert_eq!(b.pick_scored(3, |_| true, |_| None, loads(&v)), Some(1));
     }
 }

@@ -151,7 +151,7 @@ impl Shared {
     /// Takes a unit of instance `idx` (and, half-open, one of its global trial permits).
     pub fn take(&self, idx: usize, inst: &Instance, trial_permits: u32) -> bool {
         let (r, p, s, me) = (self.region, self.pool, self.slots[idx], self.worker);
-        if !r.take(p, s, me, u64::from(inst.max_concurrency)) {
+        if !r.take(p, s, me, u64::from(inst.limit)) {
             return false;
         }
         if inst.breaker.state() == InstanceState::HalfOpen
