@@ -23,18 +23,16 @@
 //! - `affinity`: consistent hashing with bounded loads on the request's key (see
 //!   `affinity.rs`, placed by the pool); a request without a key goes as `least_connections`.
 //! - `predicted` (SPEC §17): the lowest predicted latency (`pick_scored`, scores from each
-//!   instance's latency model, see `latency.rs` and the pool); instances without a calibrated
-//!   model are explored one decision in `EXPLORE`, and with none calibrated the policy is
-//!   `least_connections`.
+//!   instance's latency model, see `latency.rs` and the pool); while some candidate's model is
+//!   not calibrated, `least_connections`. That is the exploration too: an instance that got
+//!   no traffic for minutes loses its calibration (its samples decay), the pool balances by
+//!   least connections until it has enough fresh samples (about 20), then predicts again — a
+//!   starved instance cannot stay starved on a stale model, and no random draw is needed.
 
 use std::cmp::Ordering;
 
 use crate::rng::SplitMix64;
 use crate::types::BalancerKind;
-
-/// `predicted` explores an instance whose model is not calibrated one decision in this many
-/// (llm-d explores 1 %; a starved instance must win back samples within seconds, not minutes).
-pub const EXPLORE: usize = 32;
 
 /// How busy an instance is: `active / capacity` (compared exactly by cross-multiplying), then
 /// the backend's KV-cache usage.
@@ -141,9 +139,10 @@ impl Balancer {
 }
 
 impl Balancer {
-    /// SPEC §17: the candidate with the lowest `score` (ties: the first after the cursor);
-    /// candidates without a score (an uncalibrated model) are explored one time in `EXPLORE`
-    /// by least connections among them, and are the only choice when no candidate has a score.
+    /// SPEC §17: the candidate with the lowest `score` (ties: the first after the cursor); if
+    /// some candidate has no score (its model is not calibrated), least connections among all.
+    /// (Why not llm-d's 1 % random exploration of the others: an instance left out of the
+    /// warm-up while another calibrated first would get 1 % of the traffic for minutes.)
     pub fn pick_scored(
         &mut self,
         n: usize,
@@ -155,10 +154,18 @@ impl Balancer {
             return None;
         }
         let mut best: Option<(usize, f64)> = None;
-        let mut unknown = 0u64;
+        let mut least: Option<(usize, Load)> = None;
+        let mut unknown = false;
         for k in 0..n {
             let i = (self.cursor + k) % n;
             if !candidate(i) {
+                continue;
+            }
+            let l = load(i);
+            if least.is_none_or(|(_, b)| l < b) {
+                least = Some((i, l));
+            }
+            if unknown {
                 continue;
             }
             match score(i) {
@@ -167,21 +174,10 @@ impl Balancer {
                         best = Some((i, s));
                     }
                 }
-                None => unknown |= 1 << i,
+                None => unknown = true,
             }
         }
-        let explore = unknown != 0 && (best.is_none() || self.rng.below(EXPLORE) == 0);
-        let chosen = if explore {
-            let mut least: Option<(usize, Load)> = None;
-            for k in 0..n {
-                let i = (self.cursor + k) % n;
-                if unknown & (1 << i) != 0 {
-                    let l = load(i);
-                    if least.is_none_or(|(_, b)| l < b) {
-                        least = Some((i, l));
-                    }
-                }
-            }
+        let chosen = if unknown {
             least.map(|(i, _)| i)
         } else {
             best.map(|(i, _)| i)
@@ -269,18 +265,17 @@ mod tests {
     }
 
     #[test]
-    fn scored_picks_the_lowest_and_explores_the_unknown_now_and_then() {
+    fn scored_picks_the_lowest_unless_a_candidate_is_unknown() {
         let mut b = Balancer::new(BalancerKind::Predicted, 7);
-        let v = [(0, 4), (0, 4), (0, 4)];
-        let score = |i: usize| [Some(50.0), Some(5.0), None][i];
-        let picks: Vec<_> = (0..3200)
-            .map(|_| b.pick_scored(3, |_| true, score, loads(&v)).unwrap())
-            .collect();
-        let explored = picks.iter().filter(|&&i| i == 2).count();
-        assert_eq!(picks.iter().filter(|&&i| i == 0).count(), 0);
-        assert!((50..=150).contains(&explored), "{explored}");
-        // nothing scored: least connections over all
-        let v = [(3, 4), (1, 4), (2, 4)];
-        assert_eq!(b.pick_scored(3, |_| true, |_| None, loads(&v)), Some(1));
+        let v = [(3, 4), (2, 4), (1, 4)];
+        let known = |i: usize| [Some(50.0), Some(5.0), Some(9.0)][i];
+        for _ in 0..5 {
+            assert_eq!(b.pick_scored(3, |_| true, known, loads(&v)), Some(1));
+        }
+        // instance 2 is not calibrated: least connections over all, until it is
+        let partly = |i: usize| [Some(50.0), Some(5.0), None][i];
+        assert_eq!(b.pick_scored(3, |_| true, partly, loads(&v)), Some(2));
+        // ... but only among candidates
+        assert_eq!(b.pick_scored(3, |i| i != 2, partly, loads(&v)), Some(1));
     }
 }

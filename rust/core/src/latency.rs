@@ -9,7 +9,8 @@
 //!   and KV-cache use (0 without a scrape);
 //! - TPOT = φ·[1, r, C, k] — `C` context (prompt) tokens in flight there.
 //!
-//! Statistics `S = Σ γ x xᵀ`, `b = Σ γ x y`, with `γ = e^(−Δt/τ)`, τ = 60 s: a completion costs
+//! Statistics `S = Σ γ x xᵀ`, `b = Σ γ x y`, with `γ = max(e^(−Δt/τ), 0.98)` — τ = 60 s, or the
+//! last ~50 samples when they come slower than that (long requests, light traffic): a completion costs
 //! one decay and 36 + 6 multiply-adds; the 6×6 system `(S + λD) θ = b + λD θ₀` is solved by
 //! Cholesky right after (~0.2 µs; completions are rare next to queries) and θ is clamped to
 //! θ ≥ 0 by an active set (a latency never falls as load rises). A query is a dot product.
@@ -37,6 +38,10 @@ use crate::types::Millis;
 
 /// Decay time constant of the statistics.
 pub const TAU_MS: f64 = 60_000.0;
+/// Each sample keeps at least this much of the past (a memory of ~50 samples): with requests
+/// seconds long and few at a time, 60 s of time decay alone would leave a handful of samples
+/// and the model would never count as calibrated.
+const RETAIN: f64 = 0.98;
 /// Effective samples before a model is trusted.
 pub const MIN_SAMPLES: f64 = 20.0;
 const COVERAGE_LOW: f64 = 0.8;
@@ -165,7 +170,7 @@ impl<const N: usize> Ewls<N> {
                 self.since_reset = 0;
             }
         }
-        let g = decay(self.at, now);
+        let g = decay(self.at, now).max(RETAIN);
         self.at = self.at.max(now);
         for j in 0..N {
             self.b[j] = self.b[j] * g + x[j] * y_fit;

@@ -1961,9 +1961,9 @@ fn meets(view: &Instances<'_>, k: usize, want: Want, now: Millis) -> bool {
 
 /// SPEC §17 `balancer: predicted`: among candidates, the most headroom under the objective
 /// (deadline − now − p90 TTFT: the lowest p90 TTFT) for a request with one, else the lowest
-/// predicted latency (p90 TTFT + the typical output × mean TPOT). Instances whose model is not
-/// calibrated are explored now and then (so a starved one gets samples back); with none
-/// calibrated, least connections.
+/// predicted latency (p90 TTFT + the typical output × mean TPOT). While some candidate's model
+/// is not calibrated, least connections (see `balancer.rs`: that is also how a starved
+/// instance wins its samples back).
 fn pick_predicted(
     balancer: &mut Balancer,
     view: &Instances<'_>,
