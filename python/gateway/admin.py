@@ -254,6 +254,11 @@ def _instance_doc(i: InstanceSnapshot, offset: float) -> dict[str, Any]:
     }
 
 
+def _goodput(snap: PoolSnapshot) -> float | None:
+    offered = snap.slo_met + snap.slo_missed + snap.slo_shed
+    return round(snap.slo_met / offered, 4) if offered else None
+
+
 def _pool_doc(snap: PoolSnapshot, offset: float) -> dict[str, Any]:
     return {
         "queued": {"high": snap.queued_high, "low": snap.queued_low},
@@ -268,5 +273,13 @@ def _pool_doc(snap: PoolSnapshot, offset: float) -> dict[str, Any]:
         "balancer": snap.balancer,
         # SPEC §15: grants to their key's first-choice instance (hits) or a later one (spills).
         "affinity": {"hits": snap.affinity_hits, "spills": snap.affinity_spills},
+        # SPEC §17 goodput (this process): requests with an objective by verdict, and
+        # met / all of them (null: none yet).
+        "slo": {
+            "met": snap.slo_met,
+            "missed": snap.slo_missed,
+            "shed": snap.slo_shed,
+            "goodput": _goodput(snap),
+        },
         "instances": [_instance_doc(i, offset) for i in snap.instances],
     }

@@ -840,7 +840,11 @@ class Gateway:
         if ex.has_objective:
             # SPEC §17 goodput: every request with an objective counts once — met, missed
             # (late, failed, timed out, or its client left) or shed.
-            self.metrics.slo_request(pool or "", ex.priority_label or "", ex.slo_result or "missed")
+            result = ex.slo_result or "missed"
+            self.metrics.slo_request(pool or "", ex.priority_label or "", result)
+            served_by = self.runtime.pools.get(pool) if pool else None
+            if served_by is not None:
+                served_by.note_slo(result)  # the dashboard's goodput tile
         if ex.span is not None:
             ex.span.end(ex)
 

@@ -28,7 +28,7 @@ from gateway.cluster.local import LocalLeases
 from gateway.config import Config, PoolSpec
 from gateway.errors import GatewayError
 from gateway.events import Events, InstanceChanged
-from gateway.scheduler import _SLO_CORE, PoolScheduler, now_ms
+from gateway.scheduler import PoolScheduler, now_ms
 from gateway.topology import WorkerLink
 from gateway.upstream import Upstream
 
@@ -44,7 +44,7 @@ _BALANCERS = {
     "p2c": _core.Balancer.P2C,
     "affinity": _core.Balancer.AFFINITY,
     # SPEC §17: the most headroom under the request's objective, by the latency model.
-    "predicted": getattr(_core.Balancer, "PREDICTED", _core.Balancer.LEAST_CONNECTIONS),
+    "predicted": _core.Balancer.PREDICTED,
 }
 
 
@@ -154,6 +154,10 @@ class PoolSnapshot:
     # unleased), and whether the replica fenced itself (its lease could not be renewed).
     lease_waiting: int = 0
     lease_fenced: bool = False
+    # SPEC §17 goodput in this process: requests with an objective, met / missed / shed.
+    slo_met: int = 0
+    slo_missed: int = 0
+    slo_shed: int = 0
 
     @property
     def ready(self) -> bool:
@@ -194,6 +198,8 @@ class Pool:
         self._affinity = config.affinity
         # The core's instance i is _upstreams[i]; removed ones stay until their slot is reused.
         self._upstreams: list[Upstream] = []
+        # SPEC §17: requests with an objective answered from this pool, by verdict.
+        self._slo: dict[str, int] = {"met": 0, "missed": 0, "shed": 0}
         # Upstreams replaced in a reused slot, closed by `collect`.
         self._replaced: list[Upstream] = []
         # The latest failed attempt per upstream (not per slot: a reused slot starts clean).
@@ -201,10 +207,7 @@ class Pool:
         # SPEC §15: the latest backend load reading per upstream (vLLM instances).
         self._backend: dict[Upstream, BackendLoad] = {}
         for inst in spec.instances:
-            if not _SLO_CORE:
-                self._core.add_instance(inst.max_concurrency, stable_id(inst.name))
-            else:
-              self._core.add_instance(
+            self._core.add_instance(
                 inst.max_concurrency, stable_id(inst.name), inst.adaptive_concurrency
             )
             self._upstreams.append(Upstream(inst, config.timeouts))
@@ -247,8 +250,6 @@ class Pool:
     def attainable(self, priority: Priority, deadline_ms: int, prompt_tokens: int) -> int:
         """SPEC §17 "Unattainable": 0 when an instance of this pool is predicted to meet the
         deadline (or nothing is calibrated yet: fail open), else when it may be, in ms."""
-        if not _SLO_CORE:
-            return 0
         return self._core.attainable(priority, deadline_ms, prompt_tokens, now_ms())
 
     def best_ttft_ms(self, prompt_tokens: int) -> float:
@@ -257,8 +258,6 @@ class Pool:
         now = now_ms()
         core = self._core
         best = float("inf")
-        if not _SLO_CORE:
-            return best
         for i in range(len(self._upstreams)):
             info = core.instance(i, now)
             if info.removed or info.state is InstanceState.EJECTED or not info.calibrated:
@@ -272,6 +271,11 @@ class Pool:
             self._scheduler.first_token(ticket)
         except Exception:
             log.exception("recording a first token failed", extra={"fields": {"pool": self.name}})
+
+    def note_slo(self, result: str) -> None:
+        """SPEC §17: one request with an objective ended `met`, `missed` or `shed` here."""
+        if result in self._slo:
+            self._slo[result] += 1
 
     def upstream(self, index: int) -> Upstream:
         return self._upstreams[index]
@@ -399,6 +403,9 @@ class Pool:
             affinity_spills=stats.affinity_spills,
             lease_waiting=self._capacity.waiting,
             lease_fenced=self._capacity.fenced,
+            slo_met=self._slo["met"],
+            slo_missed=self._slo["missed"],
+            slo_shed=self._slo["shed"],
         )
 
     def _instance_snapshot(
@@ -423,15 +430,15 @@ class Pool:
             backend=self._backend.get(up),
             lease=capacity.lease(i),
             prefix_index=(info.prefix_blocks, info.prefix_capacity) if self.affine else None,
-            concurrency_limit=getattr(info, "concurrency_limit", 0),
-            adaptive=up.spec.adaptive_concurrency,
-            predicted_ttft_ms=getattr(info, "predicted_ttft_ms", 0),
-            predicted_tpot_ms=getattr(info, "predicted_tpot_ms", 0),
-            ttft_mae_ms=getattr(info, "ttft_mae_ms", 0),
-            tpot_mae_ms=getattr(info, "tpot_mae_ms", 0),
-            ttft_coverage=getattr(info, "ttft_coverage", 0),
-            samples=getattr(info, "samples", 0),
-            calibrated=getattr(info, "calibrated", 0),
+            concurrency_limit=info.concurrency_limit,
+            adaptive=info.adaptive,
+            predicted_ttft_ms=info.predicted_ttft_ms,
+            predicted_tpot_ms=info.predicted_tpot_ms,
+            ttft_mae_ms=info.ttft_mae_ms,
+            tpot_mae_ms=info.tpot_mae_ms,
+            ttft_coverage=info.ttft_coverage,
+            samples=info.samples,
+            calibrated=info.calibrated,
         )
 
     def _on_transition(self, index: int, state: InstanceState) -> None:
@@ -473,19 +480,14 @@ class Pool:
                 self._core.remove_instance(idx)  # drains: in-flight attempts finish
                 continue
             self._core.set_max_concurrency(idx, inst.max_concurrency)
-            if _SLO_CORE:
-                self._core.set_adaptive(idx, inst.adaptive_concurrency)
+            self._core.set_adaptive(idx, inst.adaptive_concurrency)
             up.update(inst, config.timeouts)
             kept.add(up.name)
         for name, inst in wanted.items():
             if name in kept:
                 continue
-            idx = (
-                self._core.add_instance(
-                    inst.max_concurrency, stable_id(inst.name), inst.adaptive_concurrency
-                )
-                if _SLO_CORE
-                else self._core.add_instance(inst.max_concurrency, stable_id(inst.name))
+            idx = self._core.add_instance(
+                inst.max_concurrency, stable_id(inst.name), inst.adaptive_concurrency
             )
             self._capacity.forget(idx)  # a reused slot: its old lease was another's
             fresh = Upstream(inst, config.timeouts)

@@ -22,8 +22,6 @@ __all__ = ["PoolScheduler", "Unservable", "now_ms"]
 
 _MAX_PAUSE_MS = 2**53
 _U32_MAX = 2**32 - 1
-# TEMPORARY until the core's SPEC §17 binding is built into the extension everyone shares.
-_SLO_CORE = hasattr(_core.Pool, "first_token")
 
 
 def now_ms() -> int:
@@ -82,10 +80,7 @@ class PoolScheduler:
         the cancellation, its slot is released).
         """
         core = self.core
-        if not _SLO_CORE:
-            granted = core.submit(ticket, priority, now_ms(), tenant, excluded, affinity_key, prefix)
-        else:
-          granted = core.submit(
+        granted = core.submit(
             ticket,
             priority,
             now_ms(),
@@ -134,16 +129,12 @@ class PoolScheduler:
         # the u64 it crosses the boundary as (an overflow there would lose the slot).
         pause = min(max(0, retry_after_ms), _MAX_PAUSE_MS)
         tokens = min(max(0, output_tokens), _U32_MAX)
-        if not _SLO_CORE:
-            self.deliver(self.core.release(ticket, outcome, now_ms(), pause))
-            return
         self.deliver(self.core.release(ticket, outcome, now_ms(), pause, tokens))
 
     def first_token(self, ticket: int) -> None:
         """SPEC §17: the first content token of `ticket`'s attempt reached the gateway (the
         instance's TTFT sample)."""
-        if _SLO_CORE:
-            self.core.first_token(ticket, now_ms())
+        self.core.first_token(ticket, now_ms())
 
     def record_probe(self, index: int, ok: bool) -> None:
         self.deliver(self.core.record_probe(index, ok, now_ms()))
