@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 
 from cluster_harness import Replica
+from gateway.cluster.host import HostSeat
 from gateway.sim.mock import MockBehavior, MockServer
 from redis_fixture import REDIS_SERVER, RedisServer
 from test_cluster import (
@@ -236,3 +237,23 @@ async def test_an_idle_hosts_other_worker_gets_a_share_while_another_host_is_bus
     # h1's backlog alone is 60 x 300 ms over 4 slots = 4.5 s; h2's must not wait for it.
     assert served_in < backlog - 2.0, f"h2 served in {served_in:.2f} s, backlog {backlog:.2f} s"
     print(f"the idle host's other worker served in {served_in:.2f} s (backlog {backlog:.2f} s)")
+
+
+def test_host_seat_one_member_and_what_the_workers_tell_it(tmp_path: Path) -> None:
+    """The member role is one exclusive lock (a second seat cannot take it until the holder
+    gives it up or dies); a publication is seen once per change; the member sums what the
+    others hold waiting and learns the lowest publication they all applied (0 while one of
+    them has not reported: the member then keeps every unexpired cap in its floor)."""
+    seats = [HostSeat(str(tmp_path), k, 3) for k in range(3)]
+    assert seats[0].try_lead() and seats[0].member
+    assert not seats[1].try_lead() and not seats[2].try_lead()
+    seats[0].publish({"seq": 7, "pools": {"p": {"slots": {"m0": 2}, "expiry_ms": 123}}})
+    seen = seats[1].changed()
+    assert seen is not None and seen["seq"] == 7
+    assert seats[1].changed() is None  # unchanged: one stat, nothing read
+    seats[1].report({"p": 3}, 7)
+    assert seats[0].others() == ({"p": 3}, 0)  # slot 2 has not reported
+    seats[2].report({"p": 1, "q": 0}, 6)
+    assert seats[0].others() == ({"p": 4}, 6)
+    seats[0].resign()
+    assert seats[2].try_lead() and not seats[1].try_lead()

@@ -27,8 +27,17 @@ mid-write leaves the previous one):
   (at least a quarter of `renew_ms` later) tells Redis the smaller floor.
 - `cluster-waiting.<slot>`: requests a follower holds waiting for a lease (every instance they
   may use unleased: they wait before the shared queue, where the member cannot see them), per
-  pool, rewritten when it changes; the member adds them to the host's demand. The queues and
-  the in-flight counts are already the whole host's in the member's pool snapshot (the region).
+  pool, and the sequence number of the last publication it applied, rewritten when either
+  changes; the member adds the waiting to the host's demand. The queues and the in-flight
+  counts are already the whole host's in the member's pool snapshot (the region).
+
+A lease that shrank is safe only once every worker applied it: until then a worker whose loop
+was busy may still grant up to its old cap. So the member reports to Redis, as what the host
+may have in flight (the floor), the largest cap of every publication some other worker has
+not acknowledged yet and that has not expired (a worker stops using a lease at its expiry;
+a static share is held for one `lease_ms`). A worker that died acknowledges nothing: its
+publications are held until they expire — the host's floor stays higher for at most a lease,
+the safe direction.
 """
 
 from __future__ import annotations
@@ -60,7 +69,7 @@ class HostSeat:
         self._published = os.path.join(directory, _PUBLISHED)
         self._lock_fd: int | None = None
         self._seen: tuple[int, int, int] | None = None
-        self._reported: dict[str, int] | None = None
+        self._reported: dict[str, Any] | None = None
 
     # ---- the member role -------------------------------------------------------------------
 
@@ -121,16 +130,20 @@ class HostSeat:
             return None
         return doc if isinstance(doc, dict) else None
 
-    def report_waiting(self, waiting: dict[str, int]) -> None:
-        """This worker's requests waiting for a lease, per pool (written when it changed)."""
-        if waiting == self._reported:
+    def report(self, waiting: dict[str, int], applied: int) -> None:
+        """This worker's requests waiting for a lease, per pool, and the sequence number of
+        the last publication it applied (written when either changed)."""
+        doc = {"w": waiting, "seq": applied}
+        if doc == self._reported:
             return
-        self._reported = dict(waiting)
-        _write(os.path.join(self._dir, f"{_WAITING}{self.slot}"), orjson.dumps(waiting))
+        self._reported = {"w": dict(waiting), "seq": applied}
+        _write(os.path.join(self._dir, f"{_WAITING}{self.slot}"), orjson.dumps(doc))
 
-    def others_waiting(self) -> dict[str, int]:
-        """The other workers' requests waiting for a lease, per pool, summed."""
+    def others(self) -> tuple[dict[str, int], int]:
+        """The other workers' requests waiting for a lease, per pool, summed; and the lowest
+        publication sequence number they all applied (0: one of them has not reported)."""
         out: dict[str, int] = {}
+        acked: int | None = None
         for k in range(self.workers):
             if k == self.slot:
                 continue
@@ -138,13 +151,18 @@ class HostSeat:
                 with open(os.path.join(self._dir, f"{_WAITING}{k}"), "rb") as f:
                     doc = orjson.loads(f.read(_MAX_REPORT_BYTES))
             except (OSError, orjson.JSONDecodeError):
-                continue
+                doc = None
             if not isinstance(doc, dict):
+                acked = 0
                 continue
-            for pool, n in doc.items():
+            seq = doc.get("seq")
+            seq = seq if isinstance(seq, int) and seq >= 0 else 0
+            acked = seq if acked is None else min(acked, seq)
+            waiting = doc.get("w")
+            for pool, n in waiting.items() if isinstance(waiting, dict) else ():
                 if isinstance(n, int) and 0 < n < 1 << 31:
                     out[pool] = out.get(pool, 0) + n
-        return out
+        return out, acked if acked is not None else 1 << 62
 
 
 def _write(path: str, data: bytes) -> None:

@@ -44,11 +44,15 @@ from gateway.scheduler import now_ms
 __all__ = ["PoolLease", "demand_of"]
 
 
-def demand_of(snap: PoolSnapshot, elsewhere: int = 0) -> dict[str, list[int]]:
+def demand_of(
+    snap: PoolSnapshot, elsewhere: int = 0, held: dict[str, int] | None = None
+) -> dict[str, list[int]]:
     """Per instance name `[C, floor, want, in_flight]` (a removed instance still draining under
     the same name adds its in-flight to both `floor` and `in_flight`). `elsewhere`: requests
     the host's other workers hold waiting for a lease (SPEC §12 × §13: the demand is the
-    host's; its queues and in-flight counts are already in `snap`, from the region)."""
+    host's; its queues and in-flight counts are already in `snap`, from the region); `held`:
+    caps another worker of the host may still apply (a shrink it has not acknowledged), which
+    the floor covers too."""
     live = [i for i in snap.instances if not i.removed]
     total = sum(i.max_concurrency for i in live) or 1
     queued = snap.queued_high + snap.queued_low + snap.lease_waiting + elsewhere
@@ -60,7 +64,7 @@ def demand_of(snap: PoolSnapshot, elsewhere: int = 0) -> dict[str, list[int]]:
             row[1] += inst.in_flight
             continue
         row[0] = inst.max_concurrency
-        row[1] += max(inst.in_flight, inst.lease or 0)
+        row[1] += max(inst.in_flight, inst.lease or 0, (held or {}).get(inst.name, 0))
         spread = math.ceil(queued * inst.max_concurrency / total)
         # SPEC §13 "Shares follow demand": an idle replica wants nothing (its share shrinks to
         # its in-flight, so a busy one can use the whole cap); a busy one a quarter more.
@@ -106,8 +110,10 @@ class PoolLease:
     def fail_static(self) -> bool:
         return self.static_since is not None
 
-    def payload(self, snap: PoolSnapshot, elsewhere: int = 0) -> dict[str, Any]:
-        return {"i": demand_of(snap, elsewhere)}
+    def payload(
+        self, snap: PoolSnapshot, elsewhere: int = 0, held: dict[str, int] | None = None
+    ) -> dict[str, Any]:
+        return {"i": demand_of(snap, elsewhere, held)}
 
     def export(self) -> dict[str, Any]:
         """What a worker taking the host's member role over continues from (SPEC §12 × §13):

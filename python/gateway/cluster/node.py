@@ -97,6 +97,11 @@ class ClusterNode:
         self._doc: dict[str, Any] | None = None
         self._leading = False
         self._elsewhere: dict[str, int] = {}
+        #: The member's publications: sequence number, and what it published (as a follower:
+        #: the last one applied). `_unacked`: (seq, until monotonic ms, slots per pool) of
+        #: those some other worker may not have applied yet.
+        self._seq = 0
+        self._unacked: list[tuple[int, int, dict[str, dict[str, int]]]] = []
         self.replica = settings.replica_id
         lease_ms, renew_ms = settings.lease_ms, settings.renew_ms
         # Self-fence a quarter of a lease before Redis could expire it (2 s → 0.5 s).
@@ -219,7 +224,9 @@ class ClusterNode:
         if host is not None:
             if not self._leading:
                 self._take_over(host)
-            self._elsewhere = host.others_waiting()
+            self._elsewhere, acked = host.others()
+            now = now_ms()
+            self._unacked = [u for u in self._unacked if u[0] > acked and u[1] > now]
         pools = self.running.pools
         jobs = [self._sync_pool(name) for name in pools]
         jobs.append(self._sync_rates())
@@ -251,7 +258,11 @@ class ClusterNode:
             return
         lease = self._lease_of(name)
         snap = pool.snapshot()
-        payload = lease.payload(snap, self._elsewhere.get(name, 0))
+        held: dict[str, int] = {}
+        for _, _, pools in self._unacked:  # SPEC §13: a cap another worker may still apply
+            for instance, n in pools.get(name, {}).items():
+                held[instance] = max(held.get(instance, 0), n)
+        payload = lease.payload(snap, self._elsewhere.get(name, 0), held)
         payload["h"] = self.hints.outgoing(name, snap)
         sent = now_ms()
         try:
@@ -334,6 +345,8 @@ class ClusterNode:
         or on the static share goes on as if nothing happened."""
         self._leading = True
         doc = self._doc if self._doc is not None else host.read()
+        seq = doc.get("seq") if isinstance(doc, dict) else None
+        self._seq = max(self._seq, seq if isinstance(seq, int) else 0)
         pools = doc.get("pools") if isinstance(doc, dict) else None
         if isinstance(pools, dict):
             for name, entry in pools.items():
@@ -356,8 +369,14 @@ class ClusterNode:
             }
         counts = [p.divisor for p in self.pools.values() if p.fail_static]
         live = [p.replicas for p in self.pools.values() if p.replicas]
+        self._seq += 1
+        now = now_ms()
+        expiries = [e["expiry_ms"] for e in pools.values() if e["expiry_ms"] is not None]
+        until = max(expiries, default=now + self.settings.lease_ms)
+        self._unacked.append((self._seq, until, {n: e["slots"] for n, e in pools.items()}))
         host.publish(
             {
+                "seq": self._seq,
                 "member": {"worker": host.slot, "pid": os.getpid()},
                 "at_ms": now_ms(),
                 "pools": pools,
@@ -374,9 +393,13 @@ class ClusterNode:
         if host is None:
             return
         pools = self.running.pools
-        host.report_waiting({name: p.lease_waiting for name, p in pools.items()})
-        if host.member:
-            return
+        if not host.member:
+            self._apply_published(host)
+        # After applying: the member counts a shrink as done once every worker reported it.
+        host.report({name: p.lease_waiting for name, p in pools.items()}, self._seq)
+
+    def _apply_published(self, host: HostSeat) -> None:
+        pools = self.running.pools
         doc = host.changed()
         if doc is None:
             return
@@ -395,6 +418,8 @@ class ClusterNode:
                 n = slots.get(up.name, 0)
                 by_index[idx] = n if isinstance(n, int) and n >= 0 else 0
             pool.apply_leases(by_index, expiry if isinstance(expiry, int) else None)
+        seq = doc.get("seq")
+        self._seq = seq if isinstance(seq, int) else self._seq
 
     def _follow_rates(self) -> None:
         rates = self._doc.get("rates") if self._doc is not None else None
