@@ -12,7 +12,7 @@
 //! Statistics `S = Σ γ x xᵀ`, `b = Σ γ x y`, with `γ = max(e^(−Δt/τ), 0.98)` — τ = 60 s, or the
 //! last ~50 samples when they come slower than that (long requests, light traffic): a completion costs
 //! one decay and 36 + 6 multiply-adds; the 6×6 system `(S + λD) θ = b + λD θ₀` is solved by
-//! Cholesky right after (~0.2 µs; completions are rare next to queries) and θ is clamped to
+//! Cholesky at most every 10 ms (a few hundred ns with the active set below) and θ is clamped to
 //! θ ≥ 0 by an active set (a latency never falls as load rises). A query is a dot product.
 //! Ridge: `D = diag(S)` plus a floor, toward θ₀ = [the weighted mean of y, 0, …]: constant
 //! in-flight makes `XᵀX` singular; the prior keeps the fit at "the mean" along such directions.
@@ -47,6 +47,8 @@ pub const MIN_SAMPLES: f64 = 20.0;
 const COVERAGE_LOW: f64 = 0.8;
 const COVERAGE_HIGH: f64 = 0.97;
 const RIDGE: f64 = 1e-3;
+/// The least time between two solves of θ.
+const SOLVE_MS: Millis = 10;
 /// Floor of a prediction (ms): log-ratios need a positive ŷ.
 const FLOOR_MS: f64 = 0.5;
 
@@ -71,6 +73,9 @@ pub struct Ewls<const N: usize> {
     samples: u64,
     /// Samples since the band last started afresh (the first, or a drift).
     since_reset: u64,
+    /// When θ was last solved for; samples since then wait for the next solve.
+    solved_at: Millis,
+    stale: bool,
 }
 
 impl<const N: usize> Default for Ewls<N> {
@@ -87,6 +92,8 @@ impl<const N: usize> Default for Ewls<N> {
             coverage: 0.9,
             samples: 0,
             since_reset: 0,
+            solved_at: 0,
+            stale: false,
         }
     }
 }
@@ -179,7 +186,24 @@ impl<const N: usize> Ewls<N> {
             }
         }
         self.samples += 1;
-        self.solve();
+        // Solved at most every SOLVE_MS (and for every one of the first samples): at a
+        // thousand completions a second the fit costs a hundred solves, not a thousand.
+        self.stale = true;
+        if self.samples <= 64 || now >= self.solved_at.saturating_add(SOLVE_MS) {
+            self.solve();
+            self.solved_at = now;
+            self.stale = false;
+        }
+    }
+
+    /// Solves for θ if samples came since the last solve (`tick` calls it, so a burst's last
+    /// samples are not left out until the next completion).
+    pub fn refresh(&mut self, now: Millis) {
+        if self.stale && now >= self.solved_at.saturating_add(SOLVE_MS) {
+            self.solve();
+            self.solved_at = now;
+            self.stale = false;
+        }
     }
 
     fn forget(&mut self, f: f64) {
@@ -352,6 +376,12 @@ impl LatencyModel {
 
     pub fn tpot_calibrated(&self, now: Millis) -> bool {
         self.tpot.calibrated(now)
+    }
+
+    /// Solves both models for what they learnt since their last solve.
+    pub fn refresh(&mut self, now: Millis) {
+        self.ttft.refresh(now);
+        self.tpot.refresh(now);
     }
 }
 

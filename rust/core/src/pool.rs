@@ -384,6 +384,8 @@ pub struct Pool {
     /// request", and the output length the `predicted` balancer weighs TPOT by).
     typical_prompt: f64,
     typical_output: f64,
+    /// The latest `fastest_ttft` and when it was computed (once per millisecond at most).
+    fastest: (Millis, f64),
     queues: [ClassQueue; 2],
     selector: Selector,
     balancer: Balancer,
@@ -429,6 +431,7 @@ impl Pool {
             models: Vec::new(),
             typical_prompt: 0.0,
             typical_output: 0.0,
+            fastest: (Millis::MAX, 0.0),
             instances: Vec::new(),
             extras: Vec::new(),
             backend_loaded: false,
@@ -1062,6 +1065,7 @@ impl Pool {
     pub fn tick(&mut self, now: Millis) -> Vec<Event> {
         self.sync(now);
         for k in 0..self.instances.len() {
+            self.models[k].latency.refresh(now);
             self.adapt(k, now);
         }
         self.advance(now);
@@ -1185,9 +1189,16 @@ impl Pool {
     /// `queue.rs`): their deadline is before now + the fastest p90 TTFT predicted for them
     /// (now alone while no model is calibrated).
     fn rekey_hopeless(&mut self, now: Millis) {
-        let fastest = self
-            .fastest_ttft(self.typical_prompt as u32, now)
-            .unwrap_or(0.0);
+        let fastest = match self.fastest {
+            (at, ms) if at == now => ms,
+            _ => {
+                let ms = self
+                    .fastest_ttft(self.typical_prompt as u32, now)
+                    .unwrap_or(0.0);
+                self.fastest = (now, ms);
+                ms
+            }
+        };
         let horizon = now.saturating_add(fastest as Millis);
         for class in [Priority::High, Priority::Low] {
             let max_wait = self.max_wait(class);
@@ -1294,7 +1305,7 @@ impl Pool {
             let live = |t| is_waiting(tickets, t, class);
             let gone = if up == 0 {
                 queue.drain_all(&live)
-            } else if queue.has_irregular() {
+            } else if queue.has_restricted() {
                 queue.remove_where(&live, |e| up & !e.excluded == 0)
             } else {
                 // Every entry is unrestricted and something is up: nothing to evict.

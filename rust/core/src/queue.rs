@@ -113,13 +113,38 @@ struct TenantQueue {
     live: usize,
 }
 
+/// Counts of present entries (live or tombstoned) that make scans cover whole queues.
+#[derive(Clone, Copy, Debug, Default)]
+struct Tally {
+    /// Irregular entries (see `Entry::irregular`).
+    irregular: usize,
+    /// Entries with exclusions (the only ones §6's eviction can remove while something is up).
+    restricted: usize,
+}
+
+impl Tally {
+    fn add(&mut self, e: &Entry) {
+        self.irregular += usize::from(e.irregular());
+        self.restricted += usize::from(e.excluded != 0);
+    }
+
+    fn sub(&mut self, e: &Entry) {
+        self.irregular -= usize::from(e.irregular());
+        self.restricted -= usize::from(e.excluded != 0);
+    }
+}
+
 #[derive(Debug)]
 pub struct ClassQueue {
     /// Tenants with at least one live entry, in round-robin order.
     ring: VecDeque<TenantQueue>,
     live: usize,
-    /// Irregular entries present, live or tombstoned.
-    irregular: usize,
+    tally: Tally,
+    /// At most the `enqueued_at` of every live entry (`Millis::MAX` when none has been
+    /// pushed since the queue was empty); the exact minimum while `oldest_exact`. Expiry and
+    /// the starvation guard read it instead of scanning a queue in deadline order.
+    oldest: Millis,
+    oldest_exact: bool,
     pub capacity: usize,
 }
 
@@ -128,7 +153,9 @@ impl ClassQueue {
         Self {
             ring: VecDeque::new(),
             live: 0,
-            irregular: 0,
+            tally: Tally::default(),
+            oldest: Millis::MAX,
+            oldest_exact: true,
             capacity,
         }
     }
@@ -146,7 +173,13 @@ impl ClassQueue {
     /// Whether some present entry has exclusions or is out of arrival order.
     #[inline]
     pub fn has_irregular(&self) -> bool {
-        self.irregular > 0
+        self.tally.irregular > 0
+    }
+
+    /// Whether some present entry has exclusions.
+    #[inline]
+    pub fn has_restricted(&self) -> bool {
+        self.tally.restricted > 0
     }
 
     /// Adds an entry. Within a tenant entries stay in (deadline, ticket) order: a fresh arrival
@@ -167,9 +200,13 @@ impl ClassQueue {
             }
         };
         q.live += 1;
-        if place(q, entry) {
-            self.irregular += 1;
+        if entry.enqueued_at < self.oldest {
+            // a lower bound still; exact if it was (or the queue was empty: then `oldest` was
+            // MAX and exact)
+            self.oldest = entry.enqueued_at;
         }
+        let placed = place(q, entry);
+        self.tally.add(&placed);
     }
 
     /// SPEC §17: heads whose objective is lost — deadline before `horizon` (now + the fastest
@@ -196,15 +233,12 @@ impl ClassQueue {
                     break;
                 }
                 let mut e = q.entries.pop_front().expect("a head");
-                if e.irregular() {
-                    self.irregular -= 1;
-                }
+                self.tally.sub(&e);
                 e.reinserted = false;
                 e.objective = false;
                 e.deadline = e.enqueued_at.saturating_add(fifo_offset);
-                if place(q, e) {
-                    self.irregular += 1;
-                }
+                let placed = place(q, e);
+                self.tally.add(&placed);
                 done += 1;
             }
         }
@@ -222,25 +256,25 @@ impl ClassQueue {
             .position(|q| q.tenant == tenant)
             .expect("a waiting ticket's tenant is in the ring");
         self.ring[i].live -= 1;
+        // The cancelled entry may have been the oldest.
+        self.oldest_exact = false;
         if self.ring[i].live == 0 {
             let gone = self.ring.remove(i).expect("index from position");
-            self.irregular -= gone.entries.iter().filter(|e| e.irregular()).count();
+            gone.entries.iter().for_each(|e| self.tally.sub(e));
         }
     }
 
     /// Drops tombstones at the heads.
     fn clean_heads(&mut self, is_live: &impl Fn(Ticket) -> bool) {
-        let mut dropped = 0;
         for q in self.ring.iter_mut() {
             while let Some(e) = q.entries.front() {
                 if is_live(e.ticket) {
                     break;
                 }
-                dropped += usize::from(e.irregular());
+                self.tally.sub(e);
                 q.entries.pop_front();
             }
         }
-        self.irregular -= dropped;
     }
 
     /// Whose turn is next: the tenant at the front of the ring and the deadline (order key) of
@@ -261,22 +295,37 @@ impl ClassQueue {
         if self.live == 0 {
             return None;
         }
-        if self.irregular > 0 {
-            // A retry back at its place can hide an older entry behind it.
-            return self
-                .ring
+        if self.oldest_exact {
+            return Some(self.oldest);
+        }
+        let oldest = if self.tally.irregular > 0 {
+            // An entry with an earlier deadline or a retry back at its place can hide an older
+            // entry behind it.
+            self.ring
                 .iter()
                 .flat_map(|q| q.entries.iter())
                 .filter(|e| is_live(e.ticket))
                 .map(|e| e.enqueued_at)
-                .min();
+                .min()
+        } else {
+            self.clean_heads(is_live);
+            self.ring
+                .iter()
+                .filter_map(|q| q.entries.front())
+                .map(|e| e.enqueued_at)
+                .min()
+        };
+        self.oldest = oldest.unwrap_or(Millis::MAX);
+        self.oldest_exact = true;
+        oldest
+    }
+
+    /// An entry left: if it was the oldest, the minimum must be found again.
+    fn left(&mut self, e: &Entry) {
+        self.tally.sub(e);
+        if e.enqueued_at <= self.oldest {
+            self.oldest_exact = false;
         }
-        self.clean_heads(is_live);
-        self.ring
-            .iter()
-            .filter_map(|q| q.entries.front())
-            .map(|e| e.enqueued_at)
-            .min()
     }
 
     /// Removes and returns the next entry in fair order for which `fits` finds a place (and
@@ -313,13 +362,11 @@ impl ClassQueue {
                 let mut served = self.ring.remove(turn).expect("turn is in range");
                 let entry = served.entries.remove(i).expect("index from the scan");
                 served.live -= 1;
-                if entry.irregular() {
-                    self.irregular -= 1;
-                }
+                self.left(&entry);
                 if served.live > 0 {
                     self.ring.push_back(served);
                 } else {
-                    self.irregular -= served.entries.iter().filter(|e| e.irregular()).count();
+                    served.entries.iter().for_each(|e| self.tally.sub(e));
                 }
                 self.live -= 1;
                 return Some((entry, inst));
@@ -337,8 +384,8 @@ impl ClassQueue {
         pred: impl Fn(&Entry) -> bool,
     ) -> Vec<Ticket> {
         let mut out = Vec::new();
-        let mut dropped_irregular = 0;
-        let full_scan = self.irregular > 0;
+        let mut dropped = Tally::default();
+        let full_scan = self.tally.irregular > 0;
         for q in self.ring.iter_mut() {
             let mut removed_live = 0;
             if full_scan {
@@ -346,7 +393,7 @@ impl ClassQueue {
                     let live = is_live(e.ticket);
                     let remove = !live || pred(e);
                     if remove {
-                        dropped_irregular += usize::from(e.irregular());
+                        dropped.add(e);
                         if live {
                             out.push(e.ticket);
                             removed_live += 1;
@@ -360,6 +407,7 @@ impl ClassQueue {
                     if live && !pred(e) {
                         break;
                     }
+                    dropped.add(e);
                     if live {
                         out.push(e.ticket);
                         removed_live += 1;
@@ -371,11 +419,15 @@ impl ClassQueue {
         }
         self.ring.retain(|q| {
             if q.live == 0 {
-                dropped_irregular += q.entries.iter().filter(|e| e.irregular()).count();
+                q.entries.iter().for_each(|e| dropped.add(e));
             }
             q.live > 0
         });
-        self.irregular -= dropped_irregular;
+        self.tally.irregular -= dropped.irregular;
+        self.tally.restricted -= dropped.restricted;
+        if !out.is_empty() {
+            self.oldest_exact = false;
+        }
         self.live -= out.len();
         out
     }
@@ -387,11 +439,15 @@ impl ClassQueue {
         max_wait: Millis,
         is_live: &impl Fn(Ticket) -> bool,
     ) -> Vec<Ticket> {
-        if self.live == 0 {
+        if self.live == 0 || self.oldest.saturating_add(max_wait) > now {
+            // `oldest` is at most every live entry's arrival: none is due.
             return Vec::new();
         }
-        let mut out =
-            self.remove_where(is_live, |e| e.enqueued_at.saturating_add(max_wait) <= now);
+        let mut out = self.remove_where(is_live, |e| e.enqueued_at.saturating_add(max_wait) <= now);
+        // The bound may have been stale (the oldest left): find the true oldest, so the next
+        // wake-up is not in the past.
+        self.oldest_exact = false;
+        self.oldest_enqueued_at(is_live);
         // Answered in arrival order, whatever order deadlines kept them in.
         out.sort_unstable();
         out
@@ -411,24 +467,26 @@ impl ClassQueue {
             q.entries.make_contiguous().sort_by_key(Entry::key);
         }
         // Which entries now break arrival order (see the module's doc on regularity).
-        let mut irregular = 0;
+        let mut tally = Tally::default();
         for q in self.ring.iter_mut() {
             let mut latest: Millis = 0;
             for e in q.entries.iter_mut() {
                 e.reinserted = e.enqueued_at < latest;
                 latest = latest.max(e.enqueued_at);
-                irregular += usize::from(e.irregular());
+                tally.add(e);
             }
         }
-        self.irregular = irregular;
+        self.tally = tally;
     }
 
-    /// Earliest deadline of a live entry (tombstones may make it early, never late).
+    /// When the earliest live entry times out (tombstones may make it early, never late).
     pub fn next_deadline(&self, max_wait: Millis) -> Option<Millis> {
         if self.live == 0 {
             return None;
         }
-        let oldest = if self.irregular > 0 {
+        let oldest = if self.oldest_exact {
+            Some(self.oldest)
+        } else if self.tally.irregular > 0 {
             self.ring
                 .iter()
                 .flat_map(|q| q.entries.iter())
@@ -455,14 +513,16 @@ impl ClassQueue {
             .collect();
         out.sort_unstable();
         self.live = 0;
-        self.irregular = 0;
+        self.tally = Tally::default();
+        self.oldest = Millis::MAX;
+        self.oldest_exact = true;
         out
     }
 }
 
-/// Inserts `entry` at its (deadline, ticket) place in its tenant's queue; returns whether it
-/// is irregular there (inserted before another entry, or with exclusions).
-fn place(q: &mut TenantQueue, mut entry: Entry) -> bool {
+/// Inserts `entry` at its (deadline, ticket) place in its tenant's queue; returns it as placed
+/// (marked reinserted when it went before another entry).
+fn place(q: &mut TenantQueue, mut entry: Entry) -> Entry {
     if !entry.objective && q.entries.back().is_some_and(|l| l.ticket > entry.ticket) {
         // A retry without an objective: its arrival-based key was computed again from the
         // retry's time; it still goes before every later arrival without an objective.
@@ -481,16 +541,14 @@ fn place(q: &mut TenantQueue, mut entry: Entry) -> bool {
         .back()
         .is_none_or(|last| last.key() < entry.key() && last.enqueued_at <= entry.enqueued_at);
     if at_back {
-        let irregular = entry.irregular();
         q.entries.push_back(entry);
-        irregular
     } else {
         entry.reinserted = true;
         let key = entry.key();
         let at = q.entries.partition_point(|e| e.key() < key);
         q.entries.insert(at, entry);
-        true
     }
+    entry
 }
 
 #[cfg(test)]
