@@ -27,7 +27,7 @@ const STALE_DEFER_MS: Millis = 1000;
 struct Deferral {
     class: Priority,
     worker: usize,
-    /// Its turn (tenant entry, head arrival) and how many it had waiting in the class: a
+    /// Its turn (tenant entry, head deadline) and how many it had waiting in the class: a
     /// grant there changes the count even when the next request looks the same.
     turn: (usize, Millis, u64),
     /// How many times it had looked at the pool.
@@ -275,7 +275,9 @@ impl Shared {
 
     /// SPEC §12 "tenant fair share ... apply to the union": the worker whose next turn in
     /// `class` deserves the unit more than ours — its tenant has had fewer grants across all
-    /// workers, or as many and its head arrived first — or `None` if ours is the one.
+    /// workers, or as many and its head's deadline is earlier (SPEC §17: "deadlines are
+    /// compared across workers"; without objectives that is the earlier arrival, as the
+    /// deadline is then arrival + `max_wait_ms`) — or `None` if ours is the one.
     pub fn better_turn(
         &mut self,
         class: Priority,
