@@ -203,6 +203,25 @@ async def test_waiting_queue_is_bounded() -> None:
         assert len(await second) == 5 and len(await first) == 200
 
 
+async def test_a_prompt_beyond_the_kv_cache_is_refused() -> None:
+    """A prompt (with its max_tokens) the whole KV cache cannot hold would wait forever:
+    400 at once, as vLLM refuses a request beyond its context length."""
+    b = MockBehavior(engine="h100-7b", seed=6, kv_tokens=256)
+    async with MockServer(b) as m, client(m) as c:
+        with pytest.raises(openai.BadRequestError) as err:
+            await c.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": prompt("big", 200)}],
+                max_tokens=100,
+            )
+        body: Any = err.value.body
+        assert body["code"] == "context_length_exceeded"
+        r = await c.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": prompt("small", 100)}], max_tokens=3
+        )
+        assert r.usage is not None and r.usage.completion_tokens == 3
+
+
 async def test_cancelled_stream_frees_its_place(h100: MockServer) -> None:
     """A client that goes away mid-stream leaves the engine empty (nothing running, waiting
     or holding KV blocks)."""

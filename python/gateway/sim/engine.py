@@ -178,9 +178,14 @@ class Engine:
     # ---- requests ---------------------------------------------------------------------------
 
     def submit(self, prompt: str, prompt_tokens: int, max_tokens: int) -> Sequence:
-        """Queues a request; raises `EngineFull` beyond `max_waiting` waiting."""
+        """Queues a request; raises `EngineFull` beyond `max_waiting` waiting and ValueError
+        when the prompt and `max_tokens` together exceed the whole KV cache."""
         if len(self.waiting) >= self.max_waiting:
             raise EngineFull
+        if _blocks_for(max(1, prompt_tokens) + max(1, max_tokens)) > self.total_blocks:
+            # it could never run to its end alone (vLLM refuses prompt + max_tokens beyond
+            # its context length)
+            raise ValueError("prompt and max_tokens exceed the KV cache")
         seq = Sequence(max(1, prompt_tokens), max(1, max_tokens), block_hashes(prompt))
         seq.target = seq.prompt_tokens
         self.waiting.append(seq)

@@ -853,6 +853,8 @@ class MockServer:
                     eseq = self._engine_for(b).submit(prompt, prompt_tokens, n)
                 except EngineFull:
                     return self._err(503, "mock engine: the waiting queue is full", "overloaded")
+                except ValueError as exc:
+                    return self._err(400, f"mock engine: {exc}", "context_length_exceeded")
                 self._note_waiting()
             try:
                 if body.get("stream") is True:
