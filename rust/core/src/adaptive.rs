@@ -38,6 +38,8 @@ pub struct Gradient {
     count: usize,
     /// The most in flight during the window.
     peak: u32,
+    /// When the judgement this limit came from was made (ours or another worker's).
+    adopted_at: Option<Millis>,
 }
 
 impl Gradient {
@@ -49,6 +51,7 @@ impl Gradient {
             samples: [0.0; KEEP],
             count: 0,
             peak: 0,
+            adopted_at: None,
         }
     }
 
@@ -76,7 +79,26 @@ impl Gradient {
         self.count += 1;
     }
 
-    /// Judges the window if it is complete; returns whether the limit changed.
+    /// The limit before rounding (what the workers share).
+    pub fn raw(&self) -> f64 {
+        self.limit
+    }
+
+    /// SPEC §12, §17: adopts the limit another worker judged at `at` — the instance has one
+    /// cap across workers. A judgement not seen before starts this worker's window afresh
+    /// (its samples were taken under the old limit).
+    pub fn adopt(&mut self, limit: f64, at: Millis, now: Millis) {
+        self.limit = limit.max(1.0);
+        if self.adopted_at != Some(at) {
+            self.adopted_at = Some(at);
+            self.window_start = now;
+            self.count = 0;
+            self.peak = 0;
+        }
+    }
+
+    /// Judges the window if it is complete; returns whether it was judged (the limit may or
+    /// may not have changed).
     pub fn update(&mut self, ceiling: u32, now: Millis) -> bool {
         if now < self.window_start.saturating_add(WINDOW_MS) || self.count < MIN_SAMPLES {
             return false;
@@ -93,7 +115,6 @@ impl Gradient {
         let g = (base * (1.0 + BUFFER) / median).clamp(0.5, 2.0);
         // App-limited (the window never used half the limit): no evidence for more.
         let app_limited = f64::from(self.peak) < self.limit / 2.0;
-        let before = self.limit(ceiling);
         let lg = self.limit * g;
         self.limit = if g < 1.0 {
             lg
@@ -106,7 +127,8 @@ impl Gradient {
         self.window_start = now;
         self.count = 0;
         self.peak = 0;
-        self.limit(ceiling) != before
+        self.adopted_at = Some(now);
+        true
     }
 }
 

@@ -631,6 +631,9 @@ impl Pool {
         }
         model.adaptive = adaptive.then(|| Gradient::new(max, now));
         self.instances[idx].limit = model.adaptive.as_ref().map_or(max, |g| g.limit(max));
+        if let (Some(shared), false) = (self.shared.as_ref(), adaptive) {
+            shared.clear_limit(idx); // SPEC §12: off for every worker
+        }
         Ok(())
     }
 
@@ -1020,14 +1023,39 @@ impl Pool {
         self.adapt(k, now);
     }
 
-    /// SPEC §17: judges instance `k`'s adaptive window, if complete; its cap follows.
+    /// SPEC §17: judges instance `k`'s adaptive window, if complete; its cap follows. With
+    /// workers (SPEC §12) the limit is one shared word of the instance's region slot: a worker
+    /// adopts the latest judgement, and judges only when none was made in the last window (the
+    /// first worker with a full window does, by CAS), so the cap is one value and it moves once
+    /// per window, whichever worker's completions filled it.
     fn adapt(&mut self, k: usize, now: Millis) {
         let inst = &mut self.instances[k];
-        if let Some(g) = self.models[k].adaptive.as_mut() {
-            if g.update(inst.max_concurrency, now) {
-                inst.limit = g.limit(inst.max_concurrency);
+        let Some(g) = self.models[k].adaptive.as_mut() else {
+            return;
+        };
+        let max = inst.max_concurrency;
+        match self.shared.as_ref() {
+            None => {
+                g.update(max, now);
+            }
+            Some(shared) => {
+                let (seen, current) = shared.limit(k);
+                if let Some((limit, at)) = current {
+                    g.adopt(limit, at, now);
+                    if now < at.saturating_add(crate::adaptive::WINDOW_MS) {
+                        inst.limit = g.limit(max);
+                        return;
+                    }
+                }
+                if g.update(max, now) && !shared.judge_limit(k, seen, Some((g.raw(), now))) {
+                    // Another worker judged first: its limit holds.
+                    if let (_, Some((limit, at))) = shared.limit(k) {
+                        g.adopt(limit, at, now);
+                    }
+                }
             }
         }
+        inst.limit = g.limit(max);
     }
 
     /// An active probe of instance `idx` finished.

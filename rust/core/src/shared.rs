@@ -114,6 +114,10 @@ impl Shared {
             let s = self.slots[k];
             let (held, mine) = r.held_split(p, s, me);
             inst.peer_in_flight = held.saturating_sub(mine).min(u64::from(u32::MAX)) as u32;
+            // SPEC §17: an adaptive instance's cap is the limit the workers share.
+            if let (_, Some((limit, _))) = r.limit(p, s) {
+                inst.limit = (limit as u32).clamp(1, inst.max_concurrency);
+            }
             let before = inst.breaker.state();
             let (gen, until) = r.ejection(p, s);
             if gen != self.seen_ejection[k] {
@@ -136,6 +140,28 @@ impl Shared {
         self.peers = r.peers_waiting(p, me);
         selector.set_shared(r.selector(p));
         changed
+    }
+
+    /// SPEC §17: instance `idx`'s shared adaptive limit — the word read and (limit, when it
+    /// was judged), if set.
+    pub fn limit(&self, idx: usize) -> (u64, Option<(f64, Millis)>) {
+        self.region.limit(self.pool, self.slots[idx])
+    }
+
+    /// Sets the shared limit if the word is still `seen`; whether it was.
+    pub fn judge_limit(&self, idx: usize, seen: u64, limit: Option<(f64, Millis)>) -> bool {
+        self.region
+            .judge_limit(self.pool, self.slots[idx], seen, limit)
+    }
+
+    /// Clears instance `idx`'s shared limit (its cap is `max_concurrency` again).
+    pub fn clear_limit(&self, idx: usize) {
+        loop {
+            let (seen, _) = self.limit(idx);
+            if seen == 0 || self.judge_limit(idx, seen, None) {
+                return;
+            }
+        }
     }
 
     /// A place in `class`'s queue, counted across workers against `capacity`.

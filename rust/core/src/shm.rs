@@ -90,6 +90,7 @@ const I_PROBE: usize = 3; // sequence << 1 | ok
 const I_PROBE_CLAIM: usize = 4; // when the latest probe was claimed, ms + 1
 const I_TRIALS: usize = 5; // half-open trial permits, one field per worker (lease layout)
 const I_FAILURES: usize = 6; // consecutive failed attempts, by any worker
+const I_LIMIT: usize = 7; // SPEC §17 adaptive limit: (limit × 16) << 40 | judged at (ms + 1); 0 = none
 
 // The tenant table: per entry two words (tenant + 1, grants), eight entries a line.
 const TENANT_LINES: usize = MAX_TENANTS * 2 / LINE;
@@ -505,6 +506,26 @@ impl<'a> Region<'a> {
             }
         }
         word.compare_exchange(cur, now.saturating_add(1), AcqRel, Acquire)
+            .is_ok()
+    }
+
+    /// SPEC §17: instance slot `s`'s adaptive limit as the workers share it, with the word it
+    /// was read from (for `judge_limit`) and when it was last judged: `None` when unset.
+    pub fn limit(&self, p: usize, s: usize) -> (u64, Option<(f64, Millis)>) {
+        let v = self.slot_word(p, s, I_LIMIT).load(Acquire);
+        let at = dec_time(v & ((1 << 40) - 1));
+        (v, at.map(|at| ((v >> 40) as f64 / 16.0, at)))
+    }
+
+    /// Sets the shared adaptive limit if the word is still `seen` (one judgement per window
+    /// across workers: the first to judge wins, the others adopt it). `None` clears it.
+    pub fn judge_limit(&self, p: usize, s: usize, seen: u64, limit: Option<(f64, Millis)>) -> bool {
+        let v = limit.map_or(0, |(l, at)| {
+            let fixed = ((l * 16.0) as u64).min((1 << 24) - 1);
+            fixed << 40 | (at.saturating_add(1) & ((1 << 40) - 1))
+        });
+        self.slot_word(p, s, I_LIMIT)
+            .compare_exchange(seen, v, AcqRel, Acquire)
             .is_ok()
     }
 
