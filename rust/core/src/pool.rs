@@ -994,6 +994,10 @@ impl Pool {
     /// What an ended attempt teaches the model of its instance (and its adaptive limit).
     fn learn(&mut self, k: usize, s: &Sample, outcome: Outcome, output_tokens: u32, now: Millis) {
         let model = &mut self.models[k];
+        // The instance's load now (this attempt still counted), for the TPOT sample below.
+        let inst = &self.instances[k];
+        let running_now = f64::from(inst.in_flight.saturating_add(inst.peer_in_flight));
+        let context_now = f64::from(model.context);
         if s.first == 0 {
             model.awaiting = model.awaiting.saturating_sub(s.prompt);
         }
@@ -1005,12 +1009,20 @@ impl Pool {
         if output_tokens < 2 {
             return;
         }
-        let f = s.features();
+        let at_grant = s.features();
+        // TPOT is paid over the whole decode, under the load of all of it: the sample's load is
+        // the mean of the load at the grant and at the end (at the grant alone under-covered
+        // on the engine mock while load rose: p90 coverage 0.69-0.85).
+        let f = Features {
+            running: (at_grant.running + running_now) / 2.0,
+            context: (at_grant.context + context_now) / 2.0,
+            ..at_grant
+        };
         let per_token = if s.first != 0 {
             now.saturating_sub(s.first) as f64
         } else {
             let ttft = if model.latency.ttft.samples() > 0 {
-                model.latency.mean(&f).0
+                model.latency.mean(&at_grant).0
             } else {
                 0.0
             };
