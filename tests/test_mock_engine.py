@@ -60,6 +60,13 @@ async def metrics(m: MockServer) -> dict[str, float]:
     return out
 
 
+async def wait_metric(m: MockServer, name: str, at_least: float, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while (await metrics(m))[name] < at_least:
+        assert time.monotonic() < deadline, name
+        await asyncio.sleep(0.005)
+
+
 @pytest.fixture
 async def h100() -> AsyncIterator[MockServer]:
     async with MockServer(MockBehavior(engine="h100-7b", seed=1)) as m:
@@ -80,7 +87,7 @@ async def test_idle_ttft_of_1k_tokens_is_the_prefill(h100: MockServer) -> None:
             ttfts.append(times[0] * 1000)
             tpots.append(tpot_ms(times))
     ttft = statistics.median(ttfts)
-    assert 30 <= ttft <= 150, ttfts
+    assert 30 <= ttft <= 250, ttfts
     assert 4 <= statistics.median(tpots) <= 40, tpots
     # the same prompt again: its blocks are cached, the prefill is (almost) skipped
     async with client(h100) as c:
@@ -185,12 +192,10 @@ async def test_waiting_queue_is_bounded() -> None:
     """Beyond `max_waiting` waiting requests the engine answers 503 at once (OpenAI-shaped)."""
     b = MockBehavior(engine="h100-7b", seed=5, max_num_seqs=1, max_waiting=1)
     async with MockServer(b) as m, client(m) as c:
-        first = asyncio.create_task(stream_times(c, prompt("run", 10), 200))
+        first = asyncio.create_task(stream_times(c, prompt("run", 10), 300))
+        await wait_metric(m, "vllm:num_requests_running", 1)
         second = asyncio.create_task(stream_times(c, prompt("wait", 10), 5))
-        deadline = time.monotonic() + 5
-        while (await metrics(m))["vllm:num_requests_waiting"] < 1:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)
+        await wait_metric(m, "vllm:num_requests_waiting", 1)
         t0 = time.perf_counter()
         with pytest.raises(openai.InternalServerError) as err:
             await c.chat.completions.create(
@@ -200,7 +205,7 @@ async def test_waiting_queue_is_bounded() -> None:
         assert err.value.status_code == 503
         body: Any = err.value.body
         assert body["code"] == "overloaded"
-        assert len(await second) == 5 and len(await first) == 200
+        assert len(await second) == 5 and len(await first) == 300
 
 
 async def test_a_prompt_beyond_the_kv_cache_is_refused() -> None:
