@@ -3,8 +3,14 @@
 //! next and where is made here; the caller only reports events (arrival, cancellation, an
 //! attempt's end, a probe, the passing of time) and delivers what comes back.
 //!
+//! SPEC §17: each instance carries a latency model (`latency.rs`) that learns from the
+//! attempts it completes (`first_token`, `release_with`), an optional adaptive limit
+//! (`adaptive.rs`) that is then its cap, and `balancer: predicted` places by the models;
+//! waiting requests are ordered by deadline within their tenant (`queue.rs`).
+//!
 //! Invariants (checked by the property tests):
-//! - an instance never has more than `max_concurrency` attempts in flight;
+//! - an instance never has more than `max_concurrency` attempts in flight, nor more than its
+//!   adaptive limit at a grant;
 //! - every accepted ticket is granted, expired, evicted or cancelled exactly once, and a
 //!   granted ticket is released exactly once;
 //! - after each operation no waiting request fits a free, admitting instance (work

@@ -545,3 +545,40 @@ fn an_adaptive_limit_is_one_cap_across_workers() {
     b.set_adaptive(0, false, 5_000).unwrap();
     assert_eq!(r.limit(0, 0).1, None);
 }
+
+/// SPEC §17 with workers: "deadlines are compared across workers" — a request with an earlier
+/// deadline waiting in one worker is granted before an earlier arrival with a later deadline
+/// waiting in another.
+#[test]
+fn the_earliest_deadline_wins_across_workers() {
+    use gateway_core::Request;
+    let r = region(2);
+    let mut a = worker(r, 0, &[1], PoolConfig::default());
+    let mut b = worker(r, 1, &[1], PoolConfig::default());
+    let req = |deadline| Request {
+        deadline,
+        ..Request::default()
+    };
+    assert_eq!(
+        a.submit_request(1, Priority::High, req(0), &[], 0),
+        Ok(Admit::Granted(0))
+    );
+    // a's waiter arrived first with a 5 s objective, b's later with a 1 s one
+    assert_eq!(
+        a.submit_request(2, Priority::High, req(5_010), &[], 10),
+        Ok(Admit::Queued(Priority::High))
+    );
+    assert_eq!(
+        b.submit_request(1, Priority::High, req(1_020), &[], 20),
+        Ok(Admit::Queued(Priority::High))
+    );
+    // a frees the unit: b's head is due first, so a wakes b and keeps its own waiting
+    assert!(a.release(1, Outcome::Success, 0, 30).unwrap().is_empty());
+    assert_eq!(a.take_wakes(), 1 << 1);
+    let events = b.tick(30);
+    assert_eq!(
+        (events[0].ticket, events[0].kind),
+        (1, EventKind::Granted(0))
+    );
+    assert_eq!(a.waiting(), 1);
+}
