@@ -23,21 +23,23 @@ mid-write leaves the previous one):
   system-wide, so a follower self-fences at the same instant as the member: SPEC §13), or no
   expiry on the static share (Redis unreachable); the lease state a new member continues from;
   and the cluster block of `/admin/state`. A follower looks at it every tick (10 ms: one
-  `stat`), so a lease that shrank is applied everywhere long before the member's next report
-  (at least a quarter of `renew_ms` later) tells Redis the smaller floor.
+  `stat`).
 - `cluster-waiting.<slot>`: requests a follower holds waiting for a lease (every instance they
   may use unleased: they wait before the shared queue, where the member cannot see them), per
-  pool, and the sequence number of the last publication it applied, rewritten when either
-  changes; the member adds the waiting to the host's demand. The queues and the in-flight
-  counts are already the whole host's in the member's pool snapshot (the region).
+  pool, and the sequence number of the last publication that lowered a cap it applied,
+  rewritten when either changes (so not at every renewal: a rename costs). The member adds the
+  waiting to the host's demand; the queues and the in-flight counts are already the whole
+  host's in the member's pool snapshot (the region).
 
 A lease that shrank is safe only once every worker applied it: until then a worker whose loop
 was busy may still grant up to its old cap. So the member reports to Redis, as what the host
-may have in flight (the floor), the largest cap of every publication some other worker has
-not acknowledged yet and that has not expired (a worker stops using a lease at its expiry;
-a static share is held for one `lease_ms`). A worker that died acknowledges nothing: its
-publications are held until they expire — the host's floor stays higher for at most a lease,
-the safe direction.
+may have in flight (the floor), the largest cap of every publication that some other worker
+has not acknowledged and that has not expired (a worker stops using a lease at its expiry; a
+static share is held for one `lease_ms`). Only lowerings are acknowledged: the caps published
+after the last lowering all workers acknowledged are never above the current ones, unless a
+later lowering follows, whose acknowledgement ends them. A worker that died acknowledges
+nothing: its publications are held until they expire — the host's floor stays higher for at
+most a lease, the safe direction.
 """
 
 from __future__ import annotations

@@ -102,6 +102,7 @@ class ClusterNode:
         #: those some other worker may not have applied yet.
         self._seq = 0
         self._unacked: list[tuple[int, int, dict[str, dict[str, int]]]] = []
+        self._last_slots: dict[str, dict[str, int]] = {}
         self.replica = settings.replica_id
         lease_ms, renew_ms = settings.lease_ms, settings.renew_ms
         # Self-fence a quarter of a lease before Redis could expire it (2 s → 0.5 s).
@@ -373,10 +374,21 @@ class ClusterNode:
         now = now_ms()
         expiries = [e["expiry_ms"] for e in pools.values() if e["expiry_ms"] is not None]
         until = max(expiries, default=now + self.settings.lease_ms)
-        self._unacked.append((self._seq, until, {n: e["slots"] for n, e in pools.items()}))
+        slots = {n: e["slots"] for n, e in pools.items()}
+        # A publication that lowers a cap is acknowledged by every worker once applied (the
+        # others need not be: a worker still on an earlier one holds no more than now).
+        last = self._last_slots
+        shrink = any(
+            n < last.get(pool, {}).get(instance, 0)
+            for pool, caps in slots.items()
+            for instance, n in caps.items()
+        )
+        self._last_slots = slots
+        self._unacked.append((self._seq, until, slots))
         host.publish(
             {
                 "seq": self._seq,
+                "shrink": shrink,
                 "member": {"worker": host.slot, "pid": os.getpid()},
                 "at_ms": now_ms(),
                 "pools": pools,
@@ -419,7 +431,8 @@ class ClusterNode:
                 by_index[idx] = n if isinstance(n, int) and n >= 0 else 0
             pool.apply_leases(by_index, expiry if isinstance(expiry, int) else None)
         seq = doc.get("seq")
-        self._seq = seq if isinstance(seq, int) else self._seq
+        if doc.get("shrink") is True and isinstance(seq, int):
+            self._seq = seq  # acknowledged in this tick's report (written only when it changes)
 
     def _follow_rates(self) -> None:
         rates = self._doc.get("rates") if self._doc is not None else None
