@@ -154,6 +154,8 @@ struct Sample {
     at: Millis,
     first: Millis,
     prompt: u32,
+    /// Its prompt tokens the instance was not known to hold (SPEC §15 blocks matched there).
+    uncached: u32,
     awaiting: u32,
     running: u32,
     context: u32,
@@ -164,7 +166,7 @@ struct Sample {
 impl Sample {
     fn features(&self) -> Features {
         Features {
-            prompt: f64::from(self.prompt),
+            prompt: f64::from(self.uncached),
             awaiting: f64::from(self.awaiting),
             running: f64::from(self.running),
             context: f64::from(self.context),
@@ -194,6 +196,22 @@ struct Want {
     /// Its objective's deadline, 0 for none.
     deadline: Millis,
     prompt: u32,
+    /// How many prompt blocks it carries (SPEC §15; 0: none): with the blocks an instance
+    /// holds, the share of the prompt it need not prefill.
+    blocks: u32,
+}
+
+impl Want {
+    /// Its prompt tokens an instance holding `matched` of its leading blocks must prefill.
+    #[inline]
+    fn uncached(&self, matched: u32) -> u32 {
+        if self.blocks == 0 || matched == 0 {
+            return self.prompt;
+        }
+        let held =
+            u64::from(self.prompt) * u64::from(matched.min(self.blocks)) / u64::from(self.blocks);
+        self.prompt - held as u32
+    }
 }
 
 /// Tickets are unique increasing integers: a multiplicative hash spreads them cheaply.
@@ -293,10 +311,17 @@ pub struct InstanceModel {
 }
 
 impl InstanceModel {
-    /// The features of a request of `prompt` tokens sent to `inst` now.
-    fn features(&self, inst: &Instance, extra: &InstanceExtra, prompt: u32) -> Features {
+    /// The features of a request of `prompt` tokens (`uncached` of them not held there) sent
+    /// to `inst` now.
+    fn features(
+        &self,
+        inst: &Instance,
+        extra: &InstanceExtra,
+        prompt: u32,
+        uncached: u32,
+    ) -> Features {
         Features {
-            prompt: f64::from(prompt),
+            prompt: f64::from(uncached),
             awaiting: f64::from(self.awaiting),
             running: f64::from(inst.in_flight.saturating_add(inst.peer_in_flight)) + 1.0,
             context: f64::from(self.context) + f64::from(prompt),
@@ -761,6 +786,7 @@ impl Pool {
         let want = Want {
             deadline,
             prompt: prompt_tokens,
+            blocks: blocks.len() as u32,
         };
         self.advance(now);
         // SPEC §6: nothing this request may use is up — answer now (fallback or 503).
@@ -777,7 +803,14 @@ impl Pool {
             {
                 let choice = Choice::Alone(priority);
                 self.commit_choice(choice, priority, false, now);
-                self.grant(ticket, (priority, tenant), inst, placed, want, now);
+                self.grant(
+                    ticket,
+                    (priority, tenant),
+                    inst,
+                    (placed, matched),
+                    want,
+                    now,
+                );
                 self.last_matched = matched;
                 if !blocks.is_empty() {
                     // SPEC §15: "remembers, per instance ..., which blocks it sent there".
@@ -926,7 +959,7 @@ impl Pool {
         sample.first = now.max(1);
         let (k, s) = (*instance as usize, *sample);
         let model = &mut self.models[k];
-        model.awaiting = model.awaiting.saturating_sub(s.prompt);
+        model.awaiting = model.awaiting.saturating_sub(s.uncached);
         model
             .latency
             .observe_ttft(&s.features(), now.saturating_sub(s.at) as f64, now);
@@ -1005,7 +1038,7 @@ impl Pool {
         let running_now = f64::from(inst.in_flight.saturating_add(inst.peer_in_flight));
         let context_now = f64::from(model.context);
         if s.first == 0 {
-            model.awaiting = model.awaiting.saturating_sub(s.prompt);
+            model.awaiting = model.awaiting.saturating_sub(s.uncached);
         }
         model.context = model.context.saturating_sub(s.prompt);
         if outcome != Outcome::Success || output_tokens == 0 {
@@ -1215,8 +1248,16 @@ impl Pool {
             let want = Want {
                 deadline: if entry.objective { entry.deadline } else { 0 },
                 prompt: entry.prompt_tokens,
+                blocks: if self.pending_blocks.is_empty() {
+                    0
+                } else {
+                    self.pending_blocks
+                        .get(&entry.ticket)
+                        .map_or(0, |b| b.len() as u32)
+                },
             };
-            self.grant(entry.ticket, (class, entry.tenant), inst, placed, want, now);
+            let (ticket, who) = (entry.ticket, (class, entry.tenant));
+            self.grant(ticket, who, inst, (placed, matched), want, now);
             if !self.pending_blocks.is_empty() {
                 if let Some(blocks) = self.pending_blocks.remove(&entry.ticket) {
                     self.prefixes.record(inst, &blocks);
@@ -1270,7 +1311,7 @@ impl Pool {
             if !m.latency.ttft_calibrated(now) {
                 return None;
             }
-            let f = m.features(inst, &self.extras[k], prompt);
+            let f = m.features(inst, &self.extras[k], prompt, prompt);
             let p = m.latency.predict(&f).0;
             best = Some(best.map_or(p, |b: f64| b.min(p)));
         }
@@ -1320,6 +1361,7 @@ impl Pool {
                 let want = Want {
                     deadline: if e.objective { e.deadline } else { 0 },
                     prompt: e.prompt_tokens,
+                    blocks: blocks.len() as u32,
                 };
                 pick_taking(
                     balancer,
@@ -1382,7 +1424,7 @@ impl Pool {
         ticket: Ticket,
         (class, tenant): (Priority, Tenant),
         inst: usize,
-        placed: Affinity,
+        (placed, matched): (Affinity, u32),
         want: Want,
         now: Millis,
     ) {
@@ -1398,17 +1440,19 @@ impl Pool {
                 .saturating_add(i.peer_in_flight)
                 .saturating_add(1)
         };
+        let uncached = want.uncached(matched);
         let sample = Sample {
             at: now,
             first: 0,
             prompt: want.prompt,
+            uncached,
             awaiting: model.awaiting,
             running,
             context: model.context.saturating_add(want.prompt),
             waiting: extra.backend_waiting,
             cache_permille: extra.cache_permille,
         };
-        model.awaiting = model.awaiting.saturating_add(want.prompt);
+        model.awaiting = model.awaiting.saturating_add(uncached);
         model.context = model.context.saturating_add(want.prompt);
         if let Some(g) = model.adaptive.as_mut() {
             g.on_grant(running);
@@ -1574,7 +1618,12 @@ impl Pool {
         }
         self.sync(now);
         let m = &self.models[idx];
-        let f = m.features(&self.instances[idx], &self.extras[idx], prompt_tokens);
+        let f = m.features(
+            &self.instances[idx],
+            &self.extras[idx],
+            prompt_tokens,
+            prompt_tokens,
+        );
         Ok(m.latency.predict(&f))
     }
 
@@ -1608,7 +1657,7 @@ impl Pool {
                 return 0;
             }
             let extra = &self.extras[k];
-            let f = m.features(inst, extra, prompt_tokens);
+            let f = m.features(inst, extra, prompt_tokens, prompt_tokens);
             let p = m.latency.predict(&f).0;
             let idle = Features {
                 awaiting: 0.0,
@@ -1984,13 +2033,19 @@ fn pick(
             if let Some((k, placed, matched)) =
                 place_affine(ring, view, cfg, (affinity_key, blocks, prefixes), candidate)
             {
-                if meets(view, k, want, now) {
+                if meets(view, k, matched, want, now) {
                     return Some((k, placed, matched));
                 }
             }
         }
-        return pick_predicted(balancer, view, candidate, want, now)
-            .map(|k| (k, Affinity::None, 0));
+        // The blocks each instance holds of this prompt: its uncached share is a feature.
+        let mut lens = [0u32; 64];
+        if !blocks.is_empty() {
+            let ring = ring.get_or_insert_with(|| ring_of(view));
+            prefixes.matches(blocks, ring.members(), &mut lens);
+        }
+        return pick_predicted(balancer, view, candidate, want, &lens, now)
+            .map(|k| (k, Affinity::None, lens[k]));
     }
     let n = instances.len();
     let chosen = if view.backend_loaded {
@@ -2002,9 +2057,9 @@ fn pick(
     chosen.map(|i| (i, Affinity::None, 0))
 }
 
-/// Whether instance `k` is predicted to meet the request's objective (no objective, or an
-/// uncalibrated model: yes — fail open).
-fn meets(view: &Instances<'_>, k: usize, want: Want, now: Millis) -> bool {
+/// Whether instance `k`, holding `matched` of the request's blocks, is predicted to meet its
+/// objective (no objective, or an uncalibrated model: yes — fail open).
+fn meets(view: &Instances<'_>, k: usize, matched: u32, want: Want, now: Millis) -> bool {
     if want.deadline == 0 {
         return true;
     }
@@ -2012,7 +2067,12 @@ fn meets(view: &Instances<'_>, k: usize, want: Want, now: Millis) -> bool {
     if !m.latency.ttft_calibrated(now) {
         return true;
     }
-    let f = m.features(&view.instances[k], &view.extras[k], want.prompt);
+    let f = m.features(
+        &view.instances[k],
+        &view.extras[k],
+        want.prompt,
+        want.uncached(matched),
+    );
     now as f64 + m.latency.predict(&f).0 <= want.deadline as f64
 }
 
@@ -2026,12 +2086,18 @@ fn pick_predicted(
     view: &Instances<'_>,
     candidate: impl Fn(usize) -> bool,
     want: Want,
+    lens: &[u32; 64],
     now: Millis,
 ) -> Option<usize> {
     let score = |k: usize| {
         let m = &view.models[k];
         let ttft = m.latency.ttft_calibrated(now);
-        let f = m.features(&view.instances[k], &view.extras[k], want.prompt);
+        let f = m.features(
+            &view.instances[k],
+            &view.extras[k],
+            want.prompt,
+            want.uncached(lens[k]),
+        );
         if want.deadline != 0 {
             return ttft.then(|| m.latency.predict(&f).0);
         }
@@ -2070,16 +2136,7 @@ fn place_affine(
     candidate: impl Fn(usize) -> bool,
 ) -> Option<(usize, Affinity, u32)> {
     let (instances, extras) = (view.instances, view.extras);
-    let ring = ring.get_or_insert_with(|| {
-        HashRing::new(
-            instances
-                .iter()
-                .zip(extras)
-                .enumerate()
-                .filter(|(_, (i, _))| !i.removed)
-                .map(|(k, (_, e))| (k, e.ring_id)),
-        )
-    });
+    let ring = ring.get_or_insert_with(|| ring_of(view));
     let (total, up) = instances
         .iter()
         .zip(extras)
@@ -2103,6 +2160,18 @@ fn place_affine(
     let longest = prefixes.matches(blocks, ring.members(), &mut lens);
     let branches = prefixes.branches(blocks, &lens, longest);
     prefix::place(ring, blocks, &lens, longest, branches, cap, candidate, load)
+}
+
+/// The affinity hash ring of the instances not removed.
+fn ring_of(view: &Instances<'_>) -> HashRing {
+    HashRing::new(
+        view.instances
+            .iter()
+            .zip(view.extras)
+            .enumerate()
+            .filter(|(_, (i, _))| !i.removed)
+            .map(|(k, (_, e))| (k, e.ring_id)),
+    )
 }
 
 /// What places a request in an `affinity` pool: its session key (0: none), its prompt
@@ -2275,6 +2344,56 @@ mod tests {
             Ok(Admit::Granted(0))
         );
         assert!(p.set_backend_load(9, 0, 0).is_err());
+    }
+
+    #[test]
+    fn the_uncached_share_of_a_prompt_is_what_its_instance_does_not_hold() {
+        let want = Want {
+            deadline: 0,
+            prompt: 1000,
+            blocks: 40,
+        };
+        assert_eq!(want.uncached(0), 1000);
+        assert_eq!(want.uncached(10), 750);
+        assert_eq!(want.uncached(40), 0);
+        assert_eq!(want.uncached(99), 0);
+        let no_blocks = Want { blocks: 0, ..want };
+        assert_eq!(no_blocks.uncached(7), 1000);
+    }
+
+    /// SPEC §17 "inputs such as ... an affinity hit": in a `predicted` pool a request whose
+    /// prompt an instance holds is learnt with its uncached share, and what awaits a first
+    /// token there counts only that share.
+    #[test]
+    fn an_affinity_hit_counts_as_uncached_tokens_only() {
+        let mut p = Pool::new(
+            PoolConfig {
+                balancer: BalancerKind::Predicted,
+                ..PoolConfig::default()
+            },
+            1,
+        )
+        .unwrap();
+        p.add_instance_with_id(8, Some(1)).unwrap();
+        let blocks: Vec<u64> = (1..=10).collect();
+        let req = Request {
+            prompt_tokens: 1000,
+            ..Request::default()
+        };
+        assert_eq!(
+            p.submit_request(1, Priority::High, req, &blocks, 0),
+            Ok(Admit::Granted(0))
+        );
+        assert_eq!(p.models[0].awaiting, 1000);
+        p.release_with(1, Outcome::Success, 0, 10, 10).unwrap();
+        // the same prompt again: its instance holds all ten blocks
+        p.submit_request(2, Priority::High, req, &blocks, 20)
+            .unwrap();
+        assert_eq!(p.last_matched_blocks(), 10);
+        assert_eq!(p.models[0].awaiting, 0);
+        assert_eq!(p.models[0].context, 1000);
+        p.release_with(2, Outcome::Success, 0, 10, 30).unwrap();
+        assert_eq!((p.models[0].awaiting, p.models[0].context), (0, 0));
     }
 
     #[test]
