@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -340,3 +341,61 @@ async def test_a_worker_stopped_through_a_shrink_never_lets_its_host_overrun(
     assert statuses == [200] * len(results), {s: statuses.count(s) for s in set(statuses)}
     assert mock.stats.peak_in_flight <= 4 and mock.stats.rejected == 0
     print(f"{len(results)} answered 200; backend peak {mock.stats.peak_in_flight}")
+
+
+async def test_a_reload_reaches_every_worker_of_a_host(
+    tmp_path: Path,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """`POST /admin/reload` to any worker of a cluster host reloads all of them (SPEC §12) and
+    the host's lease follows (SPEC §13): a second instance added to the config is leased and
+    serves from every worker, and the reload's answer carries no note about cluster settings.
+    The config names no `replica_id`: the default is the host name and the supervisor's pid,
+    one replica in Redis for the host, the same before and after the reload."""
+    first = MockServer(MockBehavior(latency_ms=5, max_concurrency=4))
+    second = MockServer(MockBehavior(latency_ms=5, max_concurrency=4))
+    await first.start()
+    await second.start()
+    config = _small_config(redis_server.url, first)
+    rep = Replica(tmp_path, "h1", config, workers=2)
+    import yaml
+
+    unnamed = yaml.safe_load(rep.config_path.read_text())
+    del unnamed["cluster"]["replica_id"]
+    rep.config_path.write_text(yaml.safe_dump(unnamed))
+    async with _fresh_connections() as session:
+        try:
+            rep.start()
+            await rep.wait_ready(session)
+            assert rep.proc is not None
+            host_id = f"{socket.gethostname()}-{rep.proc.pid}"
+            bigger = yaml.safe_load(rep.config_path.read_text())
+            bigger["pools"]["p"]["instances"].append(
+                {"name": "m1", "url": second.url, "model": "up", "max_concurrency": 4}
+            )
+            rep.config_path.write_text(yaml.safe_dump(bigger))
+            headers = {"Authorization": "Bearer admin-key-for-tests"}
+            async with session.post(rep.url + "/admin/reload", headers=headers) as resp:
+                assert resp.status == 200, await resp.text()
+                answer = await resp.json()
+
+            async def everywhere() -> bool:
+                for _ in range(6):  # fresh connections: both workers answer some
+                    state = await rep.state(session)
+                    leases = {i["name"]: i["lease"] for i in state["pools"]["p"]["instances"]}
+                    if leases.get("m1", 0) < 1:
+                        return False
+                return True
+
+            await until(everywhere, 5, "the new instance leased in every worker")
+            records = await lease_records(redis_server)
+            results = await asyncio.gather(*(_ask(session, rep) for _ in range(24)))
+            await until(lambda: _quiet(session, [rep]), 10, "quiet")
+        finally:
+            rep.stop()
+            await first.stop()
+            await second.stop()
+    assert [r.status for r in results] == [200] * 24
+    assert not any("cluster" in note for note in answer.get("notes", [])), answer
+    assert second.stats.completed > 0
+    assert list(records) == [host_id], records
