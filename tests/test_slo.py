@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -24,6 +25,7 @@ from support import (
     pool_config,
     simple_config,
 )
+from test_batch import jsonl, line, submit, wait_batch
 
 SLO = "X-Gateway-SLO"
 
@@ -493,4 +495,27 @@ async def test_an_admin_view_of_the_model_and_the_limit(
         "gateway_instance_predicted_seconds",
         "gateway_instance_prediction_error_seconds",
     } <= names
+    await gw.assert_quiet()
+
+
+# ---- a batch line's objective ----------------------------------------------------------------
+
+
+async def test_a_batch_line_takes_the_time_left_in_its_window(
+    mocks: MockFactory, gateway_factory: GatewayFactory, tmp_path: Path
+) -> None:
+    """SPEC §14/§17: each line carries a deadline from its batch's completion_window — its
+    objective is the time left, so lines served within the window are met (as low)."""
+    m = await mocks(latency_ms=5)
+    config = simple_config(pool_config(m), batch={"store": str(tmp_path / "b.db")})
+    gw = await gateway_factory(config)
+    seen: list[Any] = []
+    gw.gateway.events.subscribe(seen.append)
+    async with _client(gw) as client:
+        b = await submit(client, jsonl(line(f"c{i}") for i in range(5)))
+        b = await wait_batch(client, b.id)
+    assert b.status == "completed"
+    lines = [e for e in seen if type(e).__name__ == "RequestFinished" and e.source == "batch"]
+    assert [e.slo for e in lines] == ["met"] * 5
+    assert await _slo_counts(gw) == {("low", "met"): 5}
     await gw.assert_quiet()
