@@ -519,3 +519,27 @@ async def test_a_batch_line_takes_the_time_left_in_its_window(
     assert [e.slo for e in lines] == ["met"] * 5
     assert await _slo_counts(gw) == {("low", "met"): 5}
     await gw.assert_quiet()
+
+
+async def test_a_reload_turns_adaptive_concurrency_on_and_off(
+    mocks: MockFactory, gateway_factory: GatewayFactory
+) -> None:
+    m = await mocks(latency_ms=5)
+    config = simple_config(pool_config((m, 6)))
+    gw = await gateway_factory(config)
+    inst = (await gw.state())["pools"]["p"]["instances"][0]
+    assert (inst["adaptive"], inst["concurrency_limit"]) == (False, 6)
+    config["pools"]["p"]["instances"][0]["max_concurrency"] = {"max": 6, "adaptive": True}
+    status, _ = await gw.reload(config)
+    assert status == 200
+    inst = (await gw.state())["pools"]["p"]["instances"][0]
+    assert inst["adaptive"] is True and 1 <= inst["concurrency_limit"] <= 6
+    assert inst["max_concurrency"] == 6
+    config["pools"]["p"]["instances"][0]["max_concurrency"] = 3
+    status, _ = await gw.reload(config)
+    assert status == 200
+    inst = (await gw.state())["pools"]["p"]["instances"][0]
+    assert (inst["adaptive"], inst["concurrency_limit"], inst["max_concurrency"]) == (False, 3, 3)
+    async with _client(gw) as client:
+        assert (await _ask(client))[0] == "none"
+    await gw.assert_quiet()
