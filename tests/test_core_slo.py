@@ -51,8 +51,11 @@ def test_predicted_learns_and_prefers_the_faster_instance() -> None:
     assert not fresh.calibrated and fresh.samples == 0
     now = warm(pool, [400, 40])
     slow, fast = pool.instance(0, now), pool.instance(1, now)
-    assert fast.calibrated and slow.calibrated
-    assert fast.samples >= 20
+    # both were calibrated in the warm-up (least connections until then); since, nearly every
+    # request went to the fast one, and the slow one's samples aged: it is explored now and
+    # then, still predicted from what it learnt
+    assert fast.calibrated and fast.samples >= 20
+    assert 0 < slow.samples < fast.samples
     assert fast.predicted_ttft_ms == pytest.approx(40, rel=0.25)
     assert slow.predicted_ttft_ms == pytest.approx(400, rel=0.25)
     assert fast.predicted_tpot_ms == pytest.approx(10, rel=0.25)
