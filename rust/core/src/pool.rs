@@ -834,7 +834,10 @@ impl Pool {
             });
         };
         // SPEC §17 "Ordering": the deadline, or without an objective arrival + max_wait_ms.
-        let (key, objective) = if deadline > 0 {
+        // A high request spilled into low "then waits as low" (SPEC §3): in arrival order
+        // there, not ahead of every batch request by its realtime deadline (which would take
+        // low's share of the grants for the overflow of high's).
+        let (key, objective) = if deadline > 0 && class == priority {
             (deadline, true)
         } else {
             (now.saturating_add(self.max_wait(class)), false)
