@@ -320,12 +320,12 @@ async def test_an_unattainable_objective_is_shed_at_once_or_served_late(
     async with _client(gw) as client:
         t0 = time.monotonic()
         if shed:
-            # A 50 ms objective on a calibrated 200 ms instance: answered at once.
+            # A 120 ms objective on a calibrated 200 ms instance: answered at once.
             with pytest.raises(openai.APIStatusError) as err:
                 await client.chat.completions.create(
                     model="m",
                     messages=[{"role": "user", "content": "hurry"}],
-                    extra_headers={"x-slo-ttft-ms": "50"},
+                    extra_headers={"x-slo-ttft-ms": "120"},
                 )
             took = time.monotonic() - t0
             resp = err.value.response
@@ -335,14 +335,16 @@ async def test_an_unattainable_objective_is_shed_at_once_or_served_late(
             assert body["code"] == "slo_unattainable" and body["type"] == "server_error"
             assert int(resp.headers["Retry-After"]) >= 1
             assert resp.headers[SLO] == "missed"
-            assert took < 0.05 + 0.2  # within its own deadline's order, not after a wait
+            # Answered before its own deadline would have passed (measured: ~5 ms), instead of
+            # being served late.
+            assert took < 0.12
             # An attainable objective in the same pool is served.
             verdict, _ = await _ask(client, {"x-slo-ttft-ms": str(objective_ms)})
             assert verdict == "met"
             counts = await _slo_counts(gw)
             assert counts[("high", "shed")] == 1 and counts[("high", "met")] == 1
         else:
-            verdict, raw = await _ask(client, {"x-slo-ttft-ms": "50"}, text="hurry")
+            verdict, raw = await _ask(client, {"x-slo-ttft-ms": "120"}, text="hurry")
             assert raw.http_response.status_code == 200 and verdict == "missed"
             assert await _slo_counts(gw) == {("high", "missed"): 1}
     await gw.assert_quiet()
