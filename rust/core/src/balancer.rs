@@ -163,6 +163,8 @@ impl Balancer {
         let mut least: Option<(usize, Load)> = None;
         let mut unknown = false;
         let mut doubtful = 0u64;
+        // Drawn first, so `unsure` (an `exp` per candidate) is asked only when exploring.
+        let explore = self.rng.below(EXPLORE) == 0;
         for k in 0..n {
             let i = (self.cursor + k) % n;
             if !candidate(i) {
@@ -180,7 +182,7 @@ impl Balancer {
                     if best.is_none_or(|(_, b)| s < b) {
                         best = Some((i, s));
                     }
-                    if unsure(i) {
+                    if explore && unsure(i) {
                         doubtful |= 1 << i;
                     }
                 }
@@ -189,7 +191,7 @@ impl Balancer {
         }
         let chosen = if unknown {
             least.map(|(i, _)| i)
-        } else if doubtful != 0 && self.rng.below(EXPLORE) == 0 {
+        } else if doubtful != 0 {
             let mut least: Option<(usize, Load)> = None;
             for k in 0..n {
                 let i = (self.cursor + k) % n;
