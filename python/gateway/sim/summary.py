@@ -348,9 +348,11 @@ def render_report(result: DemoResult) -> str:
             [
                 (
                     _latency_chart(result),
-                    "light is lognormal around 80 ms; heavy is heavy-tailed (Pareto, mean "
-                    "600 ms) plus its slower token stream. Retries around the crash add to "
-                    "a few heavy requests.",
+                    "light runs on continuous-batching engines: an answer takes its prefill "
+                    "(skipped for a cached prompt prefix) and one engine step per token, and "
+                    "every running sequence lengthens every step; heavy is heavy-tailed "
+                    "(Pareto, mean 600 ms) plus its slower token stream. Retries around the "
+                    "crash add to a few heavy requests.",
                 )
             ],
         ),
@@ -391,7 +393,12 @@ def _intro(result: DemoResult) -> str:
         "What to look for: realtime keeps short waits while the batch backlog is worked off "
         "(7 of every 10 contested slots go to realtime, the other 3 keep batch moving); the "
         f"crashed instance is ejected within moments, its requests are retried on the other "
-        "instance, and once it restarts it is probed, tried half-open and restored."
+        "instance, and once it restarts it is probed, tried half-open and restored. "
+        f"Each class has a latency objective ({REALTIME_TTFT_MS / 1000:g} s for realtime, "
+        f"{BATCH_TTFT_MS / 1000:g} s for batch): the gateway judges every answer against it "
+        "(goodput per class), serves each queue earliest deadline first, and finds pool "
+        "light's concurrency limits from the engines' time per token instead of trusting a "
+        "configured number."
     )
 
 
