@@ -26,6 +26,7 @@ from support import (
     simple_config,
 )
 from test_batch import jsonl, line, submit, wait_batch
+from test_workers import _instances, workers
 
 SLO = "X-Gateway-SLO"
 
@@ -224,7 +225,8 @@ async def test_the_access_log_carries_the_verdict(
 
 
 def _order(m: MockServer) -> list[str]:
-    return [r["body"]["messages"][0]["content"] for r in m.requests]
+    """The prompts of the chat requests the backend received, in order (probes left out)."""
+    return [r["body"]["messages"][0]["content"] for r in m.requests if isinstance(r["body"], dict)]
 
 
 async def _post(gw: RunningGateway, text: str, headers: dict[str, str]) -> tuple[int, str]:
@@ -545,3 +547,37 @@ async def test_a_reload_turns_adaptive_concurrency_on_and_off(
     async with _client(gw) as client:
         assert (await _ask(client))[0] == "none"
     await gw.assert_quiet()
+
+
+# ---- several workers -------------------------------------------------------------------------
+
+
+async def test_deadlines_are_compared_across_workers(tmp_path: Path, mocks: MockFactory) -> None:
+    """SPEC §17: "With --workers ... deadlines are compared across workers": requests queued
+    in two worker processes for one slot are served earliest deadline first, whichever
+    worker holds them; and X-Gateway-SLO is answered by every worker."""
+    m = await mocks(latency_ms=20)
+    async with workers(tmp_path, 2, _instances((m, 1))) as gw:
+
+        async def send(text: str, objective: int | None) -> tuple[int, str]:
+            headers = {} if objective is None else {"x-slo-ttft-ms": str(objective)}
+            async with gw.session.post(
+                gw.url + "/v1/chat/completions", json=chat(text), headers=headers
+            ) as resp:
+                await resp.read()
+                return resp.status, resp.headers[SLO]
+
+        m.configure(latency_ms=2000)
+        blocker = asyncio.create_task(send("blocker", None))
+        await gw.until(lambda s: s["pools"]["p"]["in_flight"] == 1)
+        m.configure(latency_ms=20)
+        plan = [("t9000", 9000), ("t3000", 3000), ("none", None), ("t6000", 6000), ("t2000", 2000)]
+        tasks = []
+        for n, (text, objective) in enumerate(plan, start=1):
+            tasks.append(asyncio.create_task(send(text, objective)))
+            await gw.until(lambda s, n=n: s["pools"]["p"]["queued"]["high"] == n)
+        results = await asyncio.gather(blocker, *tasks)
+        assert [status for status, _ in results] == [200] * 6
+        assert [verdict for _, verdict in results] == ["none", "met", "met", "none", "met", "met"]
+        assert _order(m) == ["blocker", "t2000", "t3000", "t6000", "t9000", "none"]
+        await gw.assert_quiet()
