@@ -71,7 +71,9 @@ def test_predicted_learns_and_prefers_the_faster_instance() -> None:
         pool.first_token(ticket, now)
         now += 200
         pool.release(ticket, Outcome.SUCCESS, now, output_tokens=21)
-    assert placed == [1] * 10
+    # all but an exploration now and then (one placement in 16 while the slow one's model has
+    # lapsed, balancer.rs EXPLORE)
+    assert placed.count(1) >= 8, placed
 
 
 def test_attainable_fails_open_then_answers_a_retry_after() -> None:
