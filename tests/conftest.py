@@ -21,18 +21,20 @@ from support import GatewayFactory, MockFactory, RunningGateway
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every async test ends within its timeout (the `timeout` mark, else the ini's), by the
-    loop's own clock. pytest-timeout's SIGALRM cannot end a test awaiting something that never
-    comes on uvloop: its exception is raised in the loop's signal callback and swallowed
-    there, and the run hangs instead of failing (a test that awaited a future nobody sets
-    held the suite until the outer kill). So the loop's timeout comes first: a second (or a
-    tenth) before the alarm, it raises TimeoutError where the test waits."""
+    loop's own clock. pytest-timeout's SIGALRM could not end a test awaiting something that
+    never comes on uvloop: its exception was raised in the loop's signal callback and
+    swallowed there, the loop stopped running its timers, and the run hung instead of failing
+    (a test that awaited a future nobody sets held the suite until the outer kill). So the
+    loop's timeout comes first, at three quarters of it, raising TimeoutError where the test
+    waits and leaving the rest for its clean-up; pytest-timeout (the thread method, see
+    pyproject) is the backstop that ends the run with every thread's stack."""
     for item in items:
         test = getattr(item, "obj", None)
         if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(test):
             marker = item.get_closest_marker("timeout")
             seconds = float(marker.args[0] if marker else item.config.getini("timeout"))
             if seconds > 0:
-                item.obj = _within(test, max(seconds - 1.0, seconds * 0.9))
+                item.obj = _within(test, seconds * 0.75)
 
 
 def _within(
