@@ -10,7 +10,9 @@ gateway through HTTP on this machine; this isolates the core's part, seed for se
 
 Configurations: (a) least connections + weighted 7:3 (today's defaults); (s) least
 connections + strict; (b) `predicted` + deadline order (every realtime request carries its
-2 s deadline); (c) (b) + adaptive limits (ceiling 16). Loads are multiples of the capacity
+2 s deadline); (d) (b) + `scheduler.shed_unattainable` (a realtime request `attainable` says
+cannot make its deadline is answered at once: a miss, counted); (c) (b) + adaptive limits
+(ceiling 16). Loads are multiples of the capacity
 measured by (a) closed loop (the pool's completions per second with its queue never empty).
 
     .venv/bin/python benches/slo_core.py [--seconds 60] [--loads 1,1.5,2] [--seeds 1,2,3]
@@ -45,6 +47,9 @@ CONFIGS = {
     ),
     "s": dict(balancer=Balancer.LEAST_CONNECTIONS, policy=Policy.STRICT, slo=False, adaptive=False),
     "b": dict(balancer=Balancer.PREDICTED, policy=Policy.WEIGHTED, slo=True, adaptive=False),
+    "d": dict(
+        balancer=Balancer.PREDICTED, policy=Policy.WEIGHTED, slo=True, adaptive=False, shed=True
+    ),
     "c": dict(balancer=Balancer.PREDICTED, policy=Policy.WEIGHTED, slo=True, adaptive=True),
 }
 
@@ -67,6 +72,7 @@ class Result:
     per_instance_high: list[int] = field(default_factory=lambda: [0] * len(SPEEDS))
     limits: list[list[int]] = field(default_factory=lambda: [[] for _ in SPEEDS])
     completions: int = 0
+    shed: int = 0
 
 
 def simulate(name: str, rate: float, seconds: float, seed: int, closed: int = 0) -> Result:
@@ -146,6 +152,9 @@ def simulate(name: str, rate: float, seconds: float, seed: int, closed: int = 0)
             prio = Priority.HIGH if req.high else Priority.LOW
             deadline = int(req.arrived) + SLO_MS if (cfg["slo"] and req.high) else 0
             (out.high if req.high else out.low).append(req)
+            if deadline and cfg.get("shed") and pool.attainable(prio, deadline, req.prompt, ms):
+                out.shed += 1
+                continue  # answered 503 slo_unattainable at once: a miss
             try:
                 k = pool.submit(x, prio, ms, deadline_ms=deadline, prompt_tokens=req.prompt)
             except GatewayError:
@@ -194,7 +203,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--loads", default="1,1.5,2")
     ap.add_argument("--seeds", default="1,2,3")
-    ap.add_argument("--configs", default="a,s,b,c")
+    ap.add_argument("--configs", default="a,s,b,d,c")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     cap = simulate("a", 0, args.seconds, seeds[0], closed=int(1.5 * SLOTS * len(SPEEDS)))
@@ -216,6 +225,7 @@ def main() -> None:
             p50 = sum(x[2] for x in rows) / n
             p99 = [x[3] for x in rows]
             split = rows[0][4].per_instance_high
+            shed = sum(x[4].shed for x in rows) / n
             limits = rows[0][4].limits
             lim = (
                 " · limits (seed 1, median of samples) "
@@ -228,6 +238,7 @@ def main() -> None:
                 f"realtime TTFT p50 {p50:.0f} ms, p99 "
                 + "/".join("inf" if v == math.inf else f"{v:.0f}" for v in p99)
                 + f" ms · realtime fast/slow {split[0]}/{split[1]}{lim}"
+                + (f" · shed {shed:.0f}" if shed else "")
             )
 
 
