@@ -10,6 +10,7 @@
 
 pub mod affinity;
 pub mod balancer;
+pub mod cells;
 pub mod error;
 pub mod health;
 pub mod matcher;
