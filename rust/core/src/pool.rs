@@ -1209,6 +1209,14 @@ impl Pool {
         self.shared.is_some()
     }
 
+    /// SPEC §16: (instances bound to a region cell, tenant entries cached) of this worker;
+    /// (0, 0) for a single process.
+    pub fn shared_tables(&self) -> (usize, usize) {
+        self.shared
+            .as_ref()
+            .map_or((0, 0), |s| (s.bound(), s.tenants_cached()))
+    }
+
     /// What the other workers have waiting (high, low); (0, 0) for a single process.
     pub fn peers_waiting(&self) -> (u64, u64) {
         self.shared
