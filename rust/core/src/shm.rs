@@ -331,7 +331,7 @@ pub const ABI_HASH: u64 = {
 // The lines stay lines: a hot word of one owner never shares a line pair with another's.
 const _: () = assert!(Header::WORDS == LINE && WorkerLine::WORDS == LINE);
 const _: () = assert!(PoolHead::WORDS == LINE && Summary::WORDS == LINE && Slot::WORDS == LINE);
-const _: () = assert!(PoolBlock::WORDS % LINE == 0 && KEYS_AT % LINE == 0);
+const _: () = assert!(PoolBlock::WORDS.is_multiple_of(LINE) && KEYS_AT.is_multiple_of(LINE));
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum AttachError {
@@ -597,6 +597,11 @@ impl<'a> Region<'a> {
     }
 
     // ---- pools and instance slots -------------------------------------------------------
+
+    /// Whether pool slot `p` was claimed by a pool.
+    pub fn pool_in_use(&self, p: usize) -> bool {
+        p < MAX_POOLS && self.pool_word(p, P_ID).load(Acquire) != 0
+    }
 
     /// The pool slot of pool `id` (a stable hash of its name, nonzero), claimed if new.
     pub fn pool_slot(&self, id: u64) -> Option<usize> {
