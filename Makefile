@@ -8,7 +8,7 @@ EXT_STAMP := $(VENV)/.ext-built
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml 2>/dev/null) Cargo.toml
 
 .DEFAULT_GOAL := help
-.PHONY: help install build-dev format lint typecheck test test-rust test-python miri bench bench-compare demo wheel wheel-aarch64 sdist dist-check clean
+.PHONY: help install build-dev format lint typecheck test test-rust test-python test-slow miri bench bench-compare demo wheel wheel-aarch64 sdist dist-check clean
 
 help: ## show this help
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -61,6 +61,9 @@ test-python: build-dev ## pytest: unit, integration over loopback, the official 
 	$(VENV)/bin/pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
 
 test: lint test-rust typecheck test-python ## everything: lint, cargo test, mypy, stubtest, pytest
+
+test-slow: build-dev ## the long real-time soaks (pytest -m slow: kill -9 of workers every second for 30 s)
+	$(VENV)/bin/pytest -q -m slow tests
 
 bench: build-dev ## pytest-benchmark of the core, saved as a baseline (see benches/README.md)
 	$(VENV)/bin/pytest benches --benchmark-only --benchmark-autosave -q

@@ -25,8 +25,12 @@ ADMIN_KEY = "admin-key-for-tests"
 class Replica:
     """One `gateway serve` process."""
 
-    def __init__(self, workdir: Path, replica_id: str, config: dict[str, Any]) -> None:
+    def __init__(
+        self, workdir: Path, replica_id: str, config: dict[str, Any], workers: int = 1
+    ) -> None:
         self.id = replica_id
+        #: SPEC §12 × §13: `--workers N` (one replica per host, N worker processes).
+        self.workers = workers
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cfg = yaml.safe_load(yaml.safe_dump(config))  # a deep copy
@@ -48,6 +52,8 @@ class Replica:
             "--no-access-log",
         ]
         # fmt: on
+        if self.workers > 1:
+            args += ["--workers", str(self.workers)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(args, stdout=log, stderr=log, env=env)
         log.close()

@@ -154,6 +154,7 @@ async def test_a_sink_that_cannot_keep_up_drops_and_counts() -> None:
             4,
             None,
             None,
+            None,
         )
         loop = asyncio.get_running_loop()
         t0 = loop.time()

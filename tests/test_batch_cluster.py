@@ -342,8 +342,10 @@ async def test_sixty_batches_of_one_key_leave_another_keys_low_requests_their_wa
     gw = await gateway_factory(cfg)
     alone = await _b_waits(gw, "sk-b", 24)
     ca = client(gw, key="sk-a")
+    # Five lines each: 300 in all, still far more than the pool's 4 slots hold at once (and
+    # than the 8 a batch may have in flight), while B's requests are measured.
     batches = await asyncio.gather(
-        *(submit(ca, jsonl(line(f"{j}-{i}") for i in range(20))) for j in range(60))
+        *(submit(ca, jsonl(line(f"{j}-{i}") for i in range(5))) for j in range(60))
     )
 
     async def lines_queued() -> bool:

@@ -288,7 +288,7 @@ def test_check_reports_every_error_in_one_run(tmp_path: Path) -> None:
     assert lines == [
         "config error: scheduler.high.capacity: Expected `int` >= 1",
         "config error: balancer: invalid value 'sticky'; expected one of: "
-        "least_connections, round_robin, random, p2c, affinity",
+        "least_connections, round_robin, random, p2c, affinity, predicted",
         "config error: pools.light.spil_to: unknown field; did you mean `spill_to`?",
         "config error: pools.heavy.instances[0].url: required field is missing",
         "config error: models.pro.pool: unknown pool 'hevy'; did you mean 'heavy'?",

@@ -804,21 +804,22 @@ async def _busy_on_shares(session: aiohttp.ClientSession, reps: list[Replica]) -
     return True
 
 
-@pytest.mark.parametrize("fault", ["kill", "pause"])
+@pytest.mark.parametrize(("fault", "workers"), [("kill", 1), ("pause", 1), ("kill", 2)])
 async def test_redis_lost_while_requests_are_queued_fails_none(
-    tmp_path: Path, redis_server: RedisServer, fault: str
+    tmp_path: Path, redis_server: RedisServer, fault: str, workers: int
 ) -> None:
     """SPEC §13 "Losing Redis never fails a request by itself: queued requests stay queued and
     are served on the static share". Two replicas share a cap of 4; 60 slow requests, 30 on
     each, most of them queued, each replica on its fair share of 2; Redis is killed (-9), or
     stops answering (`CLIENT PAUSE` for longer than a lease, so every call times out): every
-    one is answered 200, the backend
+    one is answered 200 (also with two hosts of `--workers 2`, SPEC §12 × §13: the member
+    publishes the static share and the other worker serves on it), the backend
     never sees more than 4, both replicas report `degraded`, and at rest nothing is in flight
     or queued."""
     mock = MockServer(MockBehavior(latency_ms=150, max_concurrency=4))
     await mock.start()
     config = _small_config(redis_server.url, mock)
-    reps = [Replica(tmp_path, f"k{i}", config) for i in range(2)]
+    reps = [Replica(tmp_path, f"k{i}", config, workers=workers) for i in range(2)]
     async with aiohttp.ClientSession() as session:
         try:
             for rep in reps:
@@ -858,14 +859,16 @@ async def test_redis_lost_while_requests_are_queued_fails_none(
     )
 
 
-async def test_replica_started_while_redis_is_down_serves(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_replica_started_while_redis_is_down_serves(tmp_path: Path, workers: int) -> None:
     """SPEC §13: "A replica that starts while Redis is unreachable serves on the static share
-    (replica count from `cluster.expected_replicas`)" until it can join — then it joins."""
+    (replica count from `cluster.expected_replicas`)" until it can join — then it joins. A
+    host of `--workers 2` too (SPEC §12 × §13: every worker serves on the host's share)."""
     mock = MockServer(MockBehavior(latency_ms=5))
     await mock.start()
     redis = RedisServer(tmp_path)  # its port, not listening yet
     config = _small_config(redis.url, mock, expected_replicas=2)
-    rep = Replica(tmp_path, "late", config)
+    rep = Replica(tmp_path, "late", config, workers=workers)
     async with aiohttp.ClientSession() as session:
         try:
             rep.start()

@@ -998,6 +998,7 @@ def test_masked_hides_exactly_the_secret_fields() -> None:
         ("model", "m"),
         ("api_key", MASK),
         ("max_concurrency", 1),
+        ("adaptive_concurrency", False),
         ("provider", "openai"),
         ("headers", {"X-Key": MASK}),
         ("tls", TlsSpec(server_name="h")),
@@ -1012,6 +1013,8 @@ def test_masked_hides_exactly_the_secret_fields() -> None:
         "tpm": None,
         "models": ["a"],
         "routes": None,
+        "slo_ttft_ms": None,
+        "slo_tpot_ms": None,
     }
     assert dict(masked(Auth(keys=[key], admin_key="a", metrics_key="m"))) == {
         "keys": [key],
@@ -1024,7 +1027,8 @@ def test_masked_hides_exactly_the_secret_fields() -> None:
     assert repr(Listen()) == "Listen(host='127.0.0.1', port=8080)"
     assert repr(Auth(keys=[key])) == (
         "Auth(keys=[ApiKey(key='***', name='n', priority=None, rpm=None, tpm=None, "
-        "models=['a'], routes=None)], admin_key=None, metrics_key=None, public_metrics=False)"
+        "models=['a'], routes=None, slo_ttft_ms=None, slo_tpot_ms=None)], admin_key=None, "
+        "metrics_key=None, public_metrics=False)"
     )
 
 

@@ -310,7 +310,8 @@ async def exposed(
             "auth": {"keys": [{"key": "sk-deploy-0", "name": "team"}], "admin_key": "adm-0"},
         }
     )
-    key = {"Authorization": "Bearer sk-deploy-0"}
+    # With a latency objective (SPEC §17), so the goodput counter shows too.
+    key = {"Authorization": "Bearer sk-deploy-0", "x-slo-ttft-ms": "60000"}
     for body in (chat(), chat(), chat(stream=True), chat(model="broken"), chat(model="nope")):
         async with await gw.post("/v1/chat/completions", body, headers=key) as resp:
             await resp.read()

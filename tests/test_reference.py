@@ -437,11 +437,13 @@ def run_twin(
     return twin
 
 
-@settings(
-    max_examples=2000,
+_TWIN = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+
+
+@settings(_TWIN, max_examples=400)
 @given(
     kwargs=config_kwargs, capacities=capacity_lists, seed=seeds, ops=op_lists, reconfigs=reconfigs
 )
@@ -452,7 +454,24 @@ def test_core_matches_reference(
     ops: list[Op],
     reconfigs: list[dict[str, Any]],
 ) -> None:
-    """Every answer of the core is the SPEC's answer."""
+    """Every answer of the core is the SPEC's answer (400 random runs per test run, a new
+    draw each time; the deep search below is `slow`)."""
+    run_twin(kwargs, capacities, seed, ops, reconfigs)
+
+
+@pytest.mark.slow
+@settings(_TWIN, max_examples=2000)
+@given(
+    kwargs=config_kwargs, capacities=capacity_lists, seed=seeds, ops=op_lists, reconfigs=reconfigs
+)
+def test_core_matches_reference_deep(
+    kwargs: dict[str, Any],
+    capacities: list[int],
+    seed: int,
+    ops: list[Op],
+    reconfigs: list[dict[str, Any]],
+) -> None:
+    """The same comparison over 2,000 random runs (~35 s; `make test-slow`)."""
     run_twin(kwargs, capacities, seed, ops, reconfigs)
 
 

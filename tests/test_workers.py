@@ -1,5 +1,13 @@
-"""SPEC §12 through HTTP: `gateway serve --workers N` is one gateway — one cap per instance,
-one queue, one health state — and survives `kill -9` of any worker."""
+"""SPEC §12 through HTTP: `gateway serve --workers N` is one gateway and survives `kill -9` of
+any worker.
+
+Only what real processes show is here: serving on one port (SO_REUSEPORT) with the cap held
+across processes, kill -9 costing only the killed worker's connections, reload and drain
+reaching every worker, /metrics and /admin/state of the whole gateway, the restart policy. The
+rules of the shared scheduling state (one queue, 7:3 and the starvation guard over the union,
+the cap, one health state, one probe per interval, a dead worker's share reclaimed) are tested
+in one process with a test clock in test_shared_state.py. The kill -9 soak is `slow` (`make
+test-slow`); its short variant runs by default."""
 
 from __future__ import annotations
 
@@ -59,10 +67,13 @@ class Workers:
     """A `gateway serve --workers N` process tree and a client with fresh connections (so
     SO_REUSEPORT spreads them over the workers)."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, url: str, session: aiohttp.ClientSession):
+    def __init__(
+        self, proc: asyncio.subprocess.Process, url: str, session: aiohttp.ClientSession, n: int
+    ):
         self.proc = proc
         self.url = url
         self.session = session
+        self.n = n
 
     def pids(self) -> list[int]:
         """The worker processes (children of the supervisor)."""
@@ -118,8 +129,9 @@ class Workers:
                 raise AssertionError(f"never reached: {doc}")
             await asyncio.sleep(0.05)
 
-    async def assert_quiet(self, within: float = 10.0) -> None:
-        """Every worker (asked over fresh connections) shows 0 in flight and 0 queued."""
+    async def assert_quiet(self, within: float = 10.0, serving: int | None = None) -> None:
+        """Every worker (asked over fresh connections until each has answered; `serving` of
+        them where the others cannot start) shows 0 in flight and 0 queued."""
 
         def quiet(doc: dict[str, Any]) -> bool:
             p = doc["pools"]["p"]
@@ -127,11 +139,10 @@ class Workers:
 
         seen: set[int] = set()
         deadline = time.monotonic() + within
-        while len(seen) < 2 or time.monotonic() < deadline - within + 1.0:
-            doc = await self.until(quiet, within)
+        while len(seen) < (self.n if serving is None else serving):
+            doc = await self.until(quiet, max(0.1, deadline - time.monotonic()))
             seen.add(doc["worker"])
-            if time.monotonic() > deadline:
-                break
+            assert time.monotonic() < deadline, f"only workers {seen} answered"
 
 
 def _comm(pid: int) -> str:
@@ -171,7 +182,7 @@ async def workers(
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         try:
-            yield Workers(proc, f"http://127.0.0.1:{port}", session)
+            yield Workers(proc, f"http://127.0.0.1:{port}", session, n)
         finally:
             if proc.returncode is None:
                 proc.send_signal(signal.SIGTERM)
@@ -182,12 +193,13 @@ async def workers(
                     await proc.wait()
 
 
-async def test_the_cap_holds_across_four_workers(tmp_path: Path, mocks: MockFactory) -> None:
-    # The backend answers 429 beyond 3 at once: any overrun across workers shows.
-    m = await mocks(latency_ms=120, max_concurrency=3)
-    async with workers(tmp_path, 4, _instances((m, 3))) as gw:
-        results = await asyncio.gather(*(gw.chat() for _ in range(60)))
-        assert [r.status for r in results] == [200] * 60
+async def test_the_cap_holds_across_worker_processes(tmp_path: Path, mocks: MockFactory) -> None:
+    # The backend answers 429 beyond 3 at once: any overrun across workers shows. Requests
+    # queue in every worker and take units the others free (woken through the eventfds).
+    m = await mocks(latency_ms=60, max_concurrency=3)
+    async with workers(tmp_path, 3, _instances((m, 3))) as gw:
+        results = await asyncio.gather(*(gw.chat() for _ in range(30)))
+        assert [r.status for r in results] == [200] * 30
         assert m.stats.rejected == 0
         assert m.stats.peak_in_flight == 3
         answered = {(await gw.state())["worker"] for _ in range(40)}
@@ -195,63 +207,25 @@ async def test_the_cap_holds_across_four_workers(tmp_path: Path, mocks: MockFact
         await gw.assert_quiet()
 
 
-async def test_high_requests_overtake_a_low_backlog_across_workers(
-    tmp_path: Path, mocks: MockFactory
-) -> None:
-    m = await mocks(latency_ms=150)
-    async with workers(tmp_path, 4, _instances((m, 1))) as gw:
-        order: list[str] = []
-
-        async def one(priority: str) -> None:
-            r = await gw.chat(priority)
-            assert r.status == 200
-            order.append(priority)
-
-        lows = [asyncio.create_task(one("low")) for _ in range(14)]
-        await gw.until(lambda d: d["pools"]["p"]["queued"]["low"] >= 10)
-        highs = [asyncio.create_task(one("high")) for _ in range(4)]
-        await asyncio.gather(*lows, *highs)
-        last_high = max(i for i, p in enumerate(order) if p == "high")
-        lows_after = len(order) - 1 - last_high
-        # 7:3 while both wait: the four highs go within ~6 grants, most of the backlog after.
-        assert lows_after >= 4, order
-        await gw.assert_quiet()
-
-
-async def test_an_ejection_by_one_worker_holds_for_all(tmp_path: Path, mocks: MockFactory) -> None:
-    bad = await mocks(fail_rate=1.0, fail_mode="status", fail_status=500)
-    good = await mocks(latency_ms=5)
-    extra = (
-        "health: {failure_threshold: 2, ejection_ms: 60000, probe: {enabled: false}}\n"
-        "retries: {max_attempts: 2}"
-    )
-    async with workers(tmp_path, 4, _instances((bad, 4), (good, 4)), extra) as gw:
-        statuses = [(await gw.chat()).status for _ in range(40)]
-        assert statuses == [200] * 40
-        # Two failures eject it in the worker that saw them; the other three never try it.
-        assert bad.stats.requests_total <= 3, bad.stats.requests_total
-        doc = await gw.state()
-        assert {i["name"]: i["state"] for i in doc["pools"]["p"]["instances"]}["i0"] == "ejected"
-        await gw.assert_quiet()
-
-
 async def test_one_probe_per_instance_per_interval(tmp_path: Path, mocks: MockFactory) -> None:
+    """Each worker's prober asks the region before probing (the rule itself, over many
+    intervals and workers, is test_shared_state's)."""
     m = await mocks()
-    extra = "health: {probe: {enabled: true, interval_ms: 200, path: /models}}"
-    async with workers(tmp_path, 4, _instances((m, 4)), extra):
-        await asyncio.sleep(0.5)
+    extra = "health: {probe: {enabled: true, interval_ms: 100, path: /models}}"
+    async with workers(tmp_path, 2, _instances((m, 4)), extra):
+        await asyncio.sleep(0.3)  # a rate over a window: nothing to await but time
         before = m.stats.requests_total
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(1.0)
         probes = m.stats.requests_total - before
-        # One per 200 ms interval across the workers: ~10, not ~40.
-        assert 5 <= probes <= 16, probes
+        # One per 100 ms interval across the workers: ~10, not ~20.
+        assert 5 <= probes <= 14, probes
 
 
 async def test_a_reload_through_one_worker_applies_to_all(
     tmp_path: Path, mocks: MockFactory
 ) -> None:
     m = await mocks()
-    async with workers(tmp_path, 3, _instances((m, 4))) as gw:
+    async with workers(tmp_path, 2, _instances((m, 4))) as gw:
         path = tmp_path / "gateway.yaml"
         port = int(gw.url.rsplit(":", 1)[1])
         _write(path, port, _instances((m, 4)), alias="renamed")
@@ -272,7 +246,7 @@ async def test_sighup_to_the_supervisor_reloads_every_worker(
     tmp_path: Path, mocks: MockFactory
 ) -> None:
     m = await mocks()
-    async with workers(tmp_path, 3, _instances((m, 4))) as gw:
+    async with workers(tmp_path, 2, _instances((m, 4))) as gw:
         port = int(gw.url.rsplit(":", 1)[1])
         _write(tmp_path / "gateway.yaml", port, _instances((m, 4)), alias="after-hup")
         gw.proc.send_signal(signal.SIGHUP)
@@ -382,17 +356,23 @@ async def test_a_second_sigterm_to_the_supervisor_skips_the_delay(
         assert time.monotonic() - t0 < 10
 
 
-async def test_kill_9_of_workers_under_load(tmp_path: Path, mocks: MockFactory) -> None:
+async def _kill_9_under_load(
+    tmp_path: Path, mocks: MockFactory, n: int, clients: int, kills: int, every: float
+) -> dict[str, int]:
+    """`clients` clients on fresh connections against `n` workers while a random worker is
+    killed every `every` s, `kills` times. Each request ends in 200, 503 with Retry-After, or
+    a closed connection (its worker was killed mid-request); afterwards every slot is back and
+    nothing the dead held is counted. The outcomes."""
     m = await mocks(latency_ms=40)
-    # A kill every second over 4 workers kills replacements within seconds of their start:
-    # the restart back-off (its own test below) is kept short so every slot is back in time.
+    # Kills close together kill replacements within seconds of their start: the restart
+    # back-off (its own test below) is kept short so every slot is back in time.
     env = {"GATEWAY_WORKER_BACKOFF_MS": "50", "GATEWAY_WORKER_BACKOFF_MAX_MS": "400"}
-    async with workers(tmp_path, 4, _instances((m, 4)), env=env) as gw:
+    async with workers(tmp_path, n, _instances((m, 4)), env=env) as gw:
         outcomes: dict[str, int] = {}
-        stop = time.monotonic() + 30  # a kill every second for 30 s (issue 12)
+        killed = asyncio.Event()
 
         async def client() -> None:
-            while time.monotonic() < stop:
+            while not killed.is_set():
                 try:
                     r = await asyncio.wait_for(gw.chat(random.choice(["high", "low"])), 15)
                 except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):
@@ -405,28 +385,46 @@ async def test_kill_9_of_workers_under_load(tmp_path: Path, mocks: MockFactory) 
                 outcomes[kind] = outcomes.get(kind, 0) + 1
 
         async def killer() -> None:
-            kills = 0
-            while time.monotonic() < stop - 1:
-                await asyncio.sleep(1.0)
+            for _ in range(kills):
+                await asyncio.sleep(every)
                 pids = gw.pids()
-                if pids:
-                    os.kill(random.choice(pids), signal.SIGKILL)
-                    kills += 1
-            assert kills >= 25
+                assert pids, "no worker left"
+                os.kill(random.choice(pids), signal.SIGKILL)
+            await asyncio.sleep(every)  # the load goes on after the last kill
+            killed.set()
 
-        await asyncio.gather(*(client() for _ in range(8)), killer())
+        await asyncio.gather(*(client() for _ in range(clients)), killer())
         print("outcomes under kill -9:", outcomes)
-        assert outcomes.get("200", 0) > 100, outcomes
         # Every slot respawned, and nothing the dead held is counted any more.
-        await gw.until(lambda d: len(gw.pids()) == 4, within=10)
+        await gw.until(lambda d: len(gw.pids()) == n, within=10)
         await gw.assert_quiet()
-        answered = {(await gw.state())["worker"] for _ in range(40)}
-        assert len(answered) >= 2
+        return outcomes
+
+
+async def test_kill_9_of_workers_under_load(tmp_path: Path, mocks: MockFactory) -> None:
+    """The short variant of the soak below: three kills, half a second apart."""
+    outcomes = await _kill_9_under_load(tmp_path, mocks, n=3, clients=6, kills=3, every=0.5)
+    assert outcomes.get("200", 0) > 30, outcomes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_kill_9_of_workers_under_load_soak(tmp_path: Path, mocks: MockFactory) -> None:
+    """A kill every second for 30 s over 4 workers (issue 12); `make test-slow`."""
+    outcomes = await _kill_9_under_load(tmp_path, mocks, n=4, clients=8, kills=29, every=1.0)
+    assert outcomes.get("200", 0) > 100, outcomes
 
 
 async def test_a_hung_worker_is_killed_and_replaced(tmp_path: Path, mocks: MockFactory) -> None:
     m = await mocks()
-    env = {"GATEWAY_WORKER_HANG_MS": "1000"}
+    # A starting worker counts as hung too when its first heartbeat is late: on a loaded
+    # machine a start takes over a second, so the limit leaves room for one and replacements
+    # come back quickly.
+    env = {
+        "GATEWAY_WORKER_HANG_MS": "1500",
+        "GATEWAY_WORKER_BACKOFF_MS": "50",
+        "GATEWAY_WORKER_BACKOFF_MAX_MS": "400",
+    }
     async with workers(tmp_path, 2, _instances((m, 4)), env=env) as gw:
         victim = gw.pids()[0]
         os.kill(victim, signal.SIGSTOP)
@@ -443,7 +441,7 @@ async def test_the_batch_api_works_through_any_worker(tmp_path: Path, mocks: Moc
 
     m = await mocks(latency_ms=5)
     extra = f"batch: {{store: {tmp_path / 'batches.db'}}}"
-    async with workers(tmp_path, 3, _instances((m, 4)), extra) as gw:
+    async with workers(tmp_path, 2, _instances((m, 4)), extra) as gw:
         lines = [
             orjson.dumps(
                 {
@@ -489,26 +487,27 @@ async def test_metrics_from_any_worker_count_the_whole_gateway(
     tmp_path: Path, mocks: MockFactory
 ) -> None:
     m = await mocks()
-    async with workers(tmp_path, 3, _instances((m, 4))) as gw:
+    async with workers(tmp_path, 2, _instances((m, 4))) as gw:
         results = await asyncio.gather(*(gw.chat() for _ in range(30)))
         assert [r.status for r in results] == [200] * 30
-        line = 'gateway_requests_total{code="200",pool="p",priority="high"}'
-        await asyncio.sleep(1.5)  # each worker's snapshot for the others is at most 1 s old
-        for _ in range(12):  # fresh connections: several workers answer
-            async with gw.session.get(gw.url + "/metrics") as r:
-                text = await r.text()
-            values = [x.split()[-1] for x in text.splitlines() if x.startswith(line)]
-            assert values == ["30.0"], values
-            assert 'gateway_instance_in_flight{instance="i0",pool="p"} 0.0' in text
-        # A worker killed and replaced: what it counted stays in the totals (no going back).
+        name = 'gateway_requests_total{code="200",pool="p",priority="high"}'
+        # Each worker's snapshot for the others is at most 1 s old: until then a worker may
+        # count less; then every scrape (fresh connections: either worker) counts all 30.
+        streak, deadline = 0, time.monotonic() + 10
+        while streak < 12:
+            values = await gw.metric(name)
+            streak = streak + 1 if values == ["30.0"] else 0
+            assert time.monotonic() < deadline, values
+            await asyncio.sleep(0.02)
+        in_flight = 'gateway_instance_in_flight{instance="i0",pool="p"}'
+        assert await gw.metric(in_flight) == ["0.0"]
+        # A worker killed and replaced: what it counted stays in the totals (no going back),
+        # in every worker's answer, the replacement's included.
         os.kill(gw.pids()[0], signal.SIGKILL)
-        await gw.until(lambda d: len(gw.pids()) == 3)
-        await asyncio.sleep(1.5)
-        for _ in range(6):
-            async with gw.session.get(gw.url + "/metrics") as r:
-                text = await r.text()
-            values = [x.split()[-1] for x in text.splitlines() if x.startswith(line)]
-            assert values == ["30.0"], values
+        await gw.until(lambda d: len(gw.pids()) == 2)
+        await gw.assert_quiet()  # both slots answer: the replacement listens
+        for _ in range(8):
+            assert await gw.metric(name) == ["30.0"]
 
 
 async def test_a_saturated_unit_goes_round_every_workers_clients(
@@ -519,7 +518,7 @@ async def test_a_saturated_unit_goes_round_every_workers_clients(
     m = await mocks(latency_ms=5, latency_dist="fixed")
     async with workers(tmp_path, 2, _instances((m, 1))) as gw:
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-        stop = time.monotonic() + 4
+        stop = time.monotonic() + 2
         done: list[int] = []
 
         async def client() -> None:
@@ -600,7 +599,7 @@ async def test_a_config_every_worker_refuses_stops_the_supervisor(
         assert gw.proc.returncode is None  # a worker that cannot start is no reason to stop
         results = await asyncio.gather(*(gw.chat() for _ in range(6)))
         assert [r.status for r in results] == [200] * 6  # worker 0 serves
-        await gw.assert_quiet(within=2)
+        await gw.assert_quiet(within=2, serving=1)
         os.kill(gw.slots()[0], signal.SIGKILL)  # now no worker can start
         assert await asyncio.wait_for(gw.proc.wait(), 10) == 2
         assert gw.proc.stderr is not None
@@ -665,18 +664,3 @@ async def test_without_memfd_and_pidfd_one_process_serves_and_workers_say_so(
     assert lines[0].startswith("--workers 2: this platform has no memfd_create"), lines
     assert "pidfd_open" in lines[0] and "--workers 1" in lines[0]
     assert b"listening" not in stdout
-
-
-async def test_queue_capacity_bounds_every_workers_queue_together(
-    tmp_path: Path, mocks: MockFactory
-) -> None:
-    """SPEC §3 capacity is the pool's, not each worker's: 1 running + 3 queued, the rest 503."""
-    m = await mocks(latency_ms=1500, latency_dist="fixed")
-    extra = "scheduler: {high: {capacity: 3}, overflow_high_to_low: false}"
-    async with workers(tmp_path, 3, _instances((m, 1)), extra) as gw:
-        first = asyncio.create_task(gw.chat())
-        await gw.until(lambda d: d["pools"]["p"]["in_flight"] == 1)
-        rest = await asyncio.gather(*(gw.chat() for _ in range(11)))
-        statuses = sorted([(await first).status, *(r.status for r in rest)])
-        assert statuses == [200] * 4 + [503] * 8, statuses
-        await gw.assert_quiet()

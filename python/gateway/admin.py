@@ -231,6 +231,20 @@ def _instance_doc(i: InstanceSnapshot, offset: float) -> dict[str, Any]:
             if i.prefix_index is not None
             else {}
         ),
+        # SPEC §17: the cap in force (an adaptive instance's current limit) and the latency
+        # model's view: p90 predictions for a typical request now, their mean absolute
+        # errors, the share of TTFT samples within the p90 band, and whether it is calibrated.
+        "concurrency_limit": i.concurrency_limit,
+        "adaptive": i.adaptive,
+        "prediction": {
+            "ttft_ms": round(i.predicted_ttft_ms, 1),
+            "tpot_ms": round(i.predicted_tpot_ms, 2),
+            "ttft_error_ms": round(i.ttft_mae_ms, 1),
+            "tpot_error_ms": round(i.tpot_mae_ms, 2),
+            "ttft_coverage": round(i.ttft_coverage, 3),
+            "samples": round(i.samples, 1),
+            "calibrated": i.calibrated,
+        },
         # SPEC §15: what a vLLM backend last reported of its own load (null: not read).
         "backend": (
             {"waiting": i.backend.waiting, "gpu_cache_usage": i.backend.gpu_cache_usage}
@@ -238,6 +252,11 @@ def _instance_doc(i: InstanceSnapshot, offset: float) -> dict[str, Any]:
             else None
         ),
     }
+
+
+def _goodput(snap: PoolSnapshot) -> float | None:
+    offered = snap.slo_met + snap.slo_missed + snap.slo_shed
+    return round(snap.slo_met / offered, 4) if offered else None
 
 
 def _pool_doc(snap: PoolSnapshot, offset: float) -> dict[str, Any]:
@@ -254,5 +273,13 @@ def _pool_doc(snap: PoolSnapshot, offset: float) -> dict[str, Any]:
         "balancer": snap.balancer,
         # SPEC §15: grants to their key's first-choice instance (hits) or a later one (spills).
         "affinity": {"hits": snap.affinity_hits, "spills": snap.affinity_spills},
+        # SPEC §17 goodput (this process): requests with an objective by verdict, and
+        # met / all of them (null: none yet).
+        "slo": {
+            "met": snap.slo_met,
+            "missed": snap.slo_missed,
+            "shed": snap.slo_shed,
+            "goodput": _goodput(snap),
+        },
         "instances": [_instance_doc(i, offset) for i in snap.instances],
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -22,7 +23,8 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from gateway import logs, telemetry
+from gateway import logs, slo, telemetry
+from gateway._core import Priority
 from gateway.affinity import affinity_placement
 from gateway.auth import KeyRing, Tenant
 from gateway.batch import BATCH_PATHS, BatchApi, BatchService
@@ -45,6 +47,7 @@ from gateway.errors import (
     RequestError,
     RequestTimeout,
     RequestTooLarge,
+    SloUnattainable,
     retry_after_ms,
     with_retry_after,
 )
@@ -444,12 +447,15 @@ class Gateway:
         request_id: str,
         priority: str = "low",
         seen: list[Exchange] | None = None,
+        slo_ttft_ms: int | None = None,
     ) -> Outcome:
         """Serves one request from inside the process (a Batch API line, SPEC §14): the same
         validation, routing, scheduling, retries, health, key limits and accounting as an HTTP
         request (`_route`, the path `proxy` takes), at `priority` (low: the key's default
         priority does not raise it), never streamed. Returns what happened as a value: the
-        upstream's answer, or the gateway's refusal with its domain error (`Executor`)."""
+        upstream's answer, or the gateway's refusal with its domain error (`Executor`).
+        `slo_ttft_ms`: SPEC §17, a batch line's objective (the time left in its batch's
+        `completion_window`)."""
         ticket = self.runtime.next_ticket()
         loop = self._loop
         if loop is None:
@@ -471,7 +477,7 @@ class Gateway:
             if data.get("stream"):
                 raise InvalidRequest("Batch requests cannot stream.", param="stream")
             headers = {"X-Priority": priority}
-            resp = await self._route(None, headers, ex, endpoint, ticket, tenant, data)
+            resp = await self._route(None, headers, ex, endpoint, ticket, tenant, data, slo_ttft_ms)
             body = resp.body if isinstance(resp, web.Response) else b""
             outcome = Answered(resp.status, body if isinstance(body, bytes) else b"", ex.usage)
         except (RequestError, QueueFull, NoHealthyInstance) as err:
@@ -496,6 +502,7 @@ class Gateway:
         ticket: int,
         tenant: Tenant,
         data: dict[str, Any],
+        line_ttft_ms: int | None = None,
     ) -> web.StreamResponse:
         """Classify and route (SPEC §4), then admit, queue, balance and forward."""
         alias = data["model"]
@@ -509,6 +516,7 @@ class Gateway:
             alias = tenant.routes.get(alias, alias)
         router = self.runtime.router
         ex.decision = router.decide(alias, headers, data, tenant.priority)
+        self._objectives(ex, headers, tenant, data, line_ttft_ms)
         if router.affinity_prefix_chars:
             # SPEC §15: what affinity pools place the request by (its session, its prompt's
             # chained block hashes).
@@ -517,6 +525,9 @@ class Gateway:
             )
         if ex.span is not None:
             ex.span.routed(alias, data)
+        if ex.slo_deadline_ms:
+            # SPEC §17 "Unattainable": before it queues (and before its tokens are charged).
+            self._meet_objective(ex, tenant)
         body = _upstream_body(data)
         limits = self.host_limits.of(tenant.name, tenant.limits, self.keys)
         held = self._hold(body.size)
@@ -533,6 +544,91 @@ class Gateway:
                 limits.reconcile(charged, usage if isinstance(usage, int) else None)
         finally:
             self.buffered.give(held)
+
+    def _objectives(
+        self,
+        ex: Exchange,
+        headers: Mapping[str, str],
+        tenant: Tenant,
+        data: dict[str, Any],
+        line_ttft_ms: int | None,
+    ) -> None:
+        """SPEC §17: the request's objectives ("header, key, class"; a batch line's is the
+        time left in its window) and its deadline: "Time spent queued counts against it", so
+        it runs from arrival, on the core's clock; the core keeps it across retries."""
+        assert ex.decision is not None
+        sched = self.runtime.config.scheduler
+        cls = sched.high if ex.decision.priority is Priority.HIGH else sched.low
+        ttft, tpot = slo.objectives(headers, tenant.slo, cls)
+        if line_ttft_ms is not None:
+            ttft = line_ttft_ms
+        # The latency model's input (the per-key tpm limit's estimate, without the budget).
+        ex.prompt_tokens = slo.prompt_tokens(data)
+        ex.slo_ttft_ms, ex.slo_tpot_ms = ttft, tpot
+        if ttft is not None:
+            ex.slo_deadline_ms = int(ex.started * 1000) + ttft
+
+    def _meet_objective(self, ex: Exchange, tenant: Tenant) -> None:
+        """SPEC §17: "when no instance of the pool, its spill or its fallback is predicted to
+        meet the objective, the request goes to a faster pool where its key's routes allow
+        it ... or — with `scheduler.shed_unattainable: true` — is answered at once 503
+        `slo_unattainable` with a computed `Retry-After`". Otherwise it queues as usual."""
+        assert ex.decision is not None
+        priority, deadline, tokens = ex.decision.priority, ex.slo_deadline_ms, ex.prompt_tokens
+        pools = self.runtime.pools
+        chain: list[str] = []
+        name: str | None = ex.decision.pool
+        while name is not None and name not in chain and name in pools:
+            chain.append(name)
+            spill = pools[name].spec.spill_to
+            if spill is not None and spill not in chain and spill in pools:
+                chain.append(spill)
+            name = pools[name].spec.fallback
+        waits = []
+        for name in chain:
+            wait = pools[name].attainable(priority, deadline, tokens)
+            if wait == 0:
+                return
+            waits.append(wait)
+        faster = [
+            (pools[name].best_ttft_ms(tokens), name)
+            for name in self._pools_of(tenant)
+            if name not in chain
+            and name in pools
+            and pools[name].attainable(priority, deadline, tokens) == 0
+        ]
+        if faster:
+            target = min(faster)[1]
+            ex.spilled_from = ex.decision.pool
+            ex.decision = dataclasses.replace(ex.decision, pool=target)
+            return
+        if self.runtime.config.scheduler.shed_unattainable and waits:
+            ex.slo_result = "shed"
+            wait = min(waits)
+            raise SloUnattainable(
+                f"No instance is predicted to meet the request's latency objective "
+                f"({ex.slo_ttft_ms} ms to the first token); retry after "
+                f"{-(-wait // 1000)}s or with a longer objective.",
+                retry_after_ms=wait,
+            )
+
+    def _pools_of(self, tenant: Tenant) -> list[str]:
+        """The pools `tenant` may be served by: those of the aliases it may use, after its
+        tier routes (SPEC §15; a free key routed to `judge-lite` is not upgraded past it)."""
+        config = self.runtime.config
+        out: list[str] = []
+        for alias in config.models:
+            if tenant.models is not None and alias not in tenant.models:
+                continue
+            served = tenant.routes.get(alias, alias) if tenant.routes else alias
+            spec = config.models.get(served)
+            if spec is None:
+                continue
+            cx = config.routing.complexity
+            for name in (spec.pool,) if spec.pool else (cx.simple, cx.complex):
+                if name is not None and name not in out:
+                    out.append(name)
+        return out
 
     def _hold(self, size: int) -> int:
         """SPEC §16: admits `size` more request bytes, or answers 503 `overloaded` when the
@@ -692,7 +788,14 @@ class Gateway:
         try:
             key, prefix = (ex.affinity_key, ex.affinity_prefix) if pool.affine else (0, None)
             idx, ex.waited_as, placed, matched = await pool.acquire(
-                ticket, priority, tenant, excluded, key, prefix
+                ticket,
+                priority,
+                tenant,
+                excluded,
+                key,
+                prefix,
+                ex.slo_deadline_ms,
+                ex.prompt_tokens,
             )
             ex.affinity = placed.label
             if prefix is not None:
@@ -740,6 +843,14 @@ class Gateway:
         d = ex.decision
         pool = ex.pool or (d.pool if d else None)
         self.metrics.request_done(pool, ex.priority_label, ex.status, ex.key_name or NO_KEY)
+        if ex.has_objective:
+            # SPEC §17 goodput: every request with an objective counts once — met, missed
+            # (late, failed, timed out, or its client left) or shed.
+            result = ex.slo_result or "missed"
+            self.metrics.slo_request(pool or "", ex.priority_label or "", result)
+            served_by = self.runtime.pools.get(pool) if pool else None
+            if served_by is not None:
+                served_by.note_slo(result)  # the dashboard's goodput tile
         if ex.span is not None:
             ex.span.end(ex)
 
@@ -792,6 +903,8 @@ class Gateway:
             _count(usage.get("completion_tokens")) if usage else None,
             ex.affinity if ex.affinity_key or ex.affinity_prefix is not None else None,
             ex.affinity_match,
+            # SPEC §17: met, missed or shed (None: no objective).
+            (ex.slo_result or "missed") if ex.has_objective else None,
         )
 
 

@@ -27,6 +27,8 @@ class Tenant:
     secret: bytes = b""
     # SPEC §15 tier routes: alias asked → alias served (e.g. a free tier's judge → judge-lite).
     routes: Mapping[str, str] | None = None
+    # SPEC §17: the key's own (TTFT, TPOT) objectives in ms (None: the class's).
+    slo: tuple[int | None, int | None] = (None, None)
 
 
 ANONYMOUS = Tenant("anonymous", 0, None, None, None)
@@ -80,6 +82,7 @@ class KeyRing:
                     limits,
                     key.key.encode(),
                     dict(key.routes) if key.routes else None,
+                    (key.slo_ttft_ms, key.slo_tpot_ms),
                 )
             )
 

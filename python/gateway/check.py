@@ -65,6 +65,10 @@ def _policy(c: Config) -> list[str]:
         f"            max_consecutive_high={s.max_consecutive_high} "
         f"max_low_wait_ms={s.max_low_wait_ms} "
         f"overflow_high_to_low={_ON_OFF[s.overflow_high_to_low]}",
+        # SPEC §17: the classes' latency objectives and what an unattainable one gets.
+        f"objectives  high(ttft_ms={s.high.slo_ttft_ms or '-'} tpot_ms={s.high.slo_tpot_ms or '-'})"
+        f"  low(ttft_ms={s.low.slo_ttft_ms or '-'} tpot_ms={s.low.slo_tpot_ms or '-'})"
+        f"  shed_unattainable={_ON_OFF[s.shed_unattainable]}",
         f"balancer    {c.balancer}"
         + (
             # SPEC §15: what workers and replicas must share to agree on placement
@@ -104,6 +108,8 @@ def _auth(c: Config) -> list[str]:
         extra += [f"rpm={k.rpm}"] if k.rpm is not None else []
         extra += [f"tpm={k.tpm}"] if k.tpm is not None else []
         extra += [f"models={','.join(k.models)}"] if k.models is not None else []
+        extra += [f"slo_ttft_ms={k.slo_ttft_ms}"] if k.slo_ttft_ms is not None else []
+        extra += [f"slo_tpot_ms={k.slo_tpot_ms}"] if k.slo_tpot_ms is not None else []
         lines.append(f"              {k.name}: key: set  {' '.join(extra)}")
         # SPEC §15 tier routes: the alias asked → the alias served, and where that goes.
         for asked, served in (k.routes or {}).items():
@@ -162,7 +168,9 @@ def _pools(c: Config) -> list[str]:
         for inst in pool.instances:
             line = (
                 f"    {inst.name.ljust(name_w)}  {inst.url.ljust(url_w)}  model={inst.model}  "
-                f"max_concurrency={inst.max_concurrency}  provider={inst.provider}  "
+                f"max_concurrency={inst.max_concurrency}"
+                # SPEC §17: an adaptive limit below it, found at run time.
+                f"{' (adaptive)' if inst.adaptive_concurrency else ''}  provider={inst.provider}  "
                 f"api_key: {_set_or_unset(inst.api_key)}"
             )
             if inst.headers:

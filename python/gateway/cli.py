@@ -84,11 +84,6 @@ async def supervise(args: argparse.Namespace, config: Config) -> int:
     if missing is not None:  # SPEC §18: where memfd/pidfd are missing, --workers says so
         print(f"--workers {args.workers}: {missing}", file=sys.stderr)
         return 2
-    if config.cluster is not None:
-        print(
-            "config error: cluster mode runs one worker per replica (--workers 1)", file=sys.stderr
-        )
-        return 2
     argv = ["--log-format", args.log_format, "--log-level", args.log_level, "serve"]
     argv += ["--config", args.config]  # the supervisor adds `--worker K/N` and `--port`
     host = args.host or config.listen.host

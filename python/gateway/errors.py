@@ -48,6 +48,7 @@ __all__ = [
     "RequestTimeout",
     "RequestTooLarge",
     "Restarting",
+    "SloUnattainable",
     "Unauthorized",
     "UnknownTicket",
     "UpstreamFailed",
@@ -146,6 +147,11 @@ class Overloaded(RequestError):
 
 class Draining(RequestError):
     """SPEC §7: the gateway is shutting down (or its drain deadline passed)."""
+
+
+class SloUnattainable(RequestError):
+    """SPEC §17: no instance the request may use is predicted to meet its latency objective
+    and `scheduler.shed_unattainable` is on; `retry_after_ms` says when it may be."""
 
 
 class Restarting(RequestError):

@@ -47,6 +47,8 @@ class RequestFinished:
     # SPEC §15: hit, spill or none, and the prompt bytes the instance held (None: no blocks).
     affinity: str | None = None
     affinity_match: int | None = None
+    # SPEC §17: the latency objectives' verdict, met, missed or shed (None: no objective).
+    slo: str | None = None
     at: float = field(default_factory=time.time)
 
     def fields(self) -> dict[str, Any]:

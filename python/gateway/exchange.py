@@ -26,6 +26,11 @@ class Attempt:
     usage: dict[str, Any] | None = None
     # Why the attempt failed after the response started (for /admin/state).
     error: str | None = None
+    # SPEC §17: when a stream's first content token reached the gateway (monotonic seconds;
+    # None: not yet, or not a stream), and the stream's content events counted (its tokens,
+    # where the upstream reports no `usage`).
+    first_token_at: float | None = None
+    tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -66,6 +71,20 @@ class Exchange:
     span: RequestSpan | None = None
     trace_id: str | None = None
     trace_headers: bytes = b""
+    # SPEC §17 latency objectives (gateway.slo): TTFT and TPOT objectives in ms (None: none),
+    # the absolute deadline on the core's clock (arrival + TTFT objective; 0: none), the
+    # prompt's estimated tokens, the verdict sent as `X-Gateway-SLO` (None: not judged yet)
+    # and the final one counted (`met`, `missed`, `shed`; None: not judged yet).
+    slo_ttft_ms: int | None = None
+    slo_tpot_ms: int | None = None
+    slo_deadline_ms: int = 0
+    prompt_tokens: int = 0
+    slo: str | None = None
+    slo_result: str | None = None
+
+    @property
+    def has_objective(self) -> bool:
+        return self.slo_ttft_ms is not None or self.slo_tpot_ms is not None
 
     @property
     def usage(self) -> dict[str, Any] | None:
@@ -93,6 +112,9 @@ class Exchange:
                 h["X-Gateway-Affinity-Match"] = str(self.affinity_match)
         if self.spilled_from is not None:
             h["X-Gateway-Spilled-From"] = self.spilled_from
+        if d is not None:
+            # SPEC §17: `met`, `missed` (an error is never met) or `none` (no objective).
+            h["X-Gateway-SLO"] = self.slo or ("missed" if self.has_objective else "none")
         if self.limit_headers:
             h.update(self.limit_headers)
         return h

@@ -37,6 +37,7 @@ import msgspec
 import orjson
 from aiohttp import web
 
+from gateway import slo
 from gateway._core import Outcome
 from gateway.deadline import Watchdog
 from gateway.errors import (
@@ -422,7 +423,7 @@ class Forwarder:
             deadline = t0 + config.timeouts.total_ms / 1000
             resp_up = await self._open(ex, att, endpoint, body, upstream, t0, deadline)
             result, outcome = await self._answer(
-                request, ex, att, body.stream, upstream, resp_up, t0, deadline
+                request, ex, att, body.stream, upstream, resp_up, t0, deadline, pool, ticket
             )
             return result
         except AttemptError as err:
@@ -434,7 +435,8 @@ class Forwarder:
             # Nothing below may keep the slot from going back: the release comes first and
             # each step is on its own.
             watchdog.disarm()
-            pool.release(ticket, outcome, cool_ms)
+            # SPEC §17: the answer's tokens teach the instance's latency model its TPOT.
+            pool.release(ticket, outcome, cool_ms, _output_tokens(att))
             if resp_up is not None:
                 # An unfinished body means the upstream is still working: closing the
                 # connection cancels it there (client gone, stream failed).
@@ -489,6 +491,8 @@ class Forwarder:
         resp_up: Response,
         t0: float,
         deadline: float,
+        pool: Pool,
+        ticket: int,
     ) -> tuple[web.StreamResponse, Outcome]:
         """What the upstream's answer means (its status decides, SPEC §6): the response for
         the client and the attempt's outcome. Raises `AttemptError` for the instance's
@@ -500,7 +504,9 @@ class Forwarder:
             # SPEC §6: "4xx other than 408/429 is the client's fault and passes through".
             return await self._client_error(ex, upstream, resp_up), Outcome.NEUTRAL
         if stream and request is not None and resp_up.content_type == "text/event-stream":
-            return await self._relay_stream(request, ex, att, resp_up, upstream, t0, deadline)
+            return await self._relay_stream(
+                request, ex, att, resp_up, upstream, t0, deadline, pool, ticket
+            )
         return await self._json_answer(ex, att, upstream, resp_up), Outcome.SUCCESS
 
     async def _instance_failure(
@@ -557,6 +563,12 @@ class Forwarder:
             raise AttemptError(f"{upstream.name}: {exc}", status=status) from None
         if err is not None:
             raise AttemptError(f"{upstream.name}: {self._scrub(upstream, err)}", status=status)
+        if ex.has_objective:
+            # SPEC §17: met iff the whole answer came within the objectives, from arrival.
+            tokens = _count(att.usage.get("completion_tokens")) if att.usage else None
+            ex.slo = ex.slo_result = slo.judge_answer(
+                ex.slo_ttft_ms, ex.slo_tpot_ms, time.monotonic() - ex.started, tokens
+            )
         if ex.span is not None and ex.span.recording:
             ex.span.finish_reasons = finish_reasons(raw)  # gen_ai.response.finish_reasons
         # Always JSON, whatever the upstream labelled it: the gateway's origin never serves
@@ -596,10 +608,13 @@ class Forwarder:
         upstream: Upstream,
         started: float,
         deadline: float,
+        pool: Pool,
+        ticket: int,
     ) -> tuple[web.StreamResponse, Outcome]:
         """SSE passed through event by event. Until the first event is written the attempt
         may still be retried (`AttemptError`); after it, a failure ends the stream with an
-        error event."""
+        error event. The head and the first events go out with the first content token
+        (SPEC §17: the instance's TTFT sample, and the TTFT verdict in `X-Gateway-SLO`)."""
         config = self._runtime().config
         checker = SseChecker(config.limits.max_event_bytes)
         if ex.span is not None and ex.span.recording:
@@ -608,8 +623,17 @@ class Forwarder:
         src = _Source(resp_up, upstream, checker, ex.watchdog, idle, deadline)
         try:
             out, ended = await self._first_events(src, att, started)
+            # The events before the first content one (the role chunk): not tokens.
+            held = checker.data_events - (1 if att.first_token_at is not None else 0)
         except MalformedEvent as err:
             raise AttemptError(f"{upstream.name}: {err}") from None
+        first_at = att.first_token_at
+        if first_at is not None:
+            pool.first_token(ticket)
+            if ex.has_objective:
+                ex.slo = slo.judge_first_token(
+                    ex.slo_ttft_ms, ex.slo_tpot_ms, first_at - ex.started
+                )
         resp = web.StreamResponse(status=200, headers=_stream_headers(ex))
         await resp.prepare(request)
         failure: tuple[str, str] | None = None
@@ -632,9 +656,23 @@ class Forwarder:
         except Exception as exc:
             failure = _stream_failure(ex, exc)
         att.usage = checker.usage
+        # The content events, where no `usage` says the tokens: every data event after the
+        # held ones but the `[DONE]` (one token each, as vLLM and OpenAI stream them).
+        att.tokens = max(0, checker.data_events - held - (1 if checker.done else 0))
         if ex.span is not None and checker.finish_reasons:
             ex.span.finish_reasons = checker.finish_reasons
-        return resp, await _end_stream(ex, att, resp, checker, failure, last)
+        outcome = await _end_stream(ex, att, resp, checker, failure, last)
+        if outcome is Outcome.SUCCESS and ex.has_objective and first_at is not None:
+            # SPEC §17: the stream's whole verdict (TTFT and TPOT), for the metric and the log.
+            tokens = _output_tokens(att)
+            ex.slo_result = slo.final_verdict(
+                ex.slo_ttft_ms,
+                ex.slo_tpot_ms,
+                first_at - ex.started,
+                time.monotonic() - first_at,
+                tokens,
+            )
+        return resp, outcome
 
     async def _relay_after_first(
         self, request: web.BaseRequest, src: _Source, resp: web.StreamResponse
@@ -653,12 +691,20 @@ class Forwarder:
         return await self._relay_rest(src, resp)
 
     async def _first_events(self, src: _Source, att: Attempt, started: float) -> tuple[bytes, bool]:
-        """Reads until the stream's first complete event (nothing is sent to the client
+        """Reads until the stream's first content token (nothing is sent to the client
         before, so a stream that fails here is retried like any attempt): (the events, whether
-        the stream already ended). Raises `AttemptError` or `MalformedEvent`."""
+        the stream already ended). Raises `AttemptError` or `MalformedEvent`.
+
+        SPEC §17: a role-only first chunk is held until the first content delta, which is
+        when the instance's first token came (vLLM may send its head and role at once: that
+        is not the TTFT); `att.first_token_at` records it. What is held is bounded by
+        `limits.max_event_bytes`; an error event, the stream's end or an event of another
+        shape ends the hold too."""
         resp_up, upstream, checker = src.resp, src.upstream, src.checker
         watchdog, idle, deadline = src.watchdog, src.idle, src.deadline
         first = True
+        held: list[bytes] = []
+        size = 0
         while True:
             chunk = await _read_chunk(resp_up, watchdog, idle, deadline)
             if first:
@@ -670,10 +716,21 @@ class Forwarder:
                     reason = self._scrub(upstream, reported)
                     raise AttemptError(f"{upstream.name}: {reason}")
             if not chunk:
-                return checker.finish(), True
+                return b"".join(held) + checker.finish(), True
             out = checker.feed(chunk)
             if out:
-                return out, checker.done
+                held.append(out)
+                size += len(out)
+                content = _has_content(out)
+                if content:
+                    att.first_token_at = time.monotonic()
+                if (
+                    content
+                    or checker.done
+                    or checker.upstream_error is not None
+                    or size > checker.max_event_bytes
+                ):
+                    return b"".join(held), checker.done
 
     async def _relay_rest(self, src: _Source, resp: web.StreamResponse) -> bytes:
         """A token stream after its first event, read piece by piece (a client the splice
@@ -769,6 +826,52 @@ class _Source:
     watchdog: Watchdog
     idle: float
     deadline: float
+
+
+def _has_content(events: bytes) -> bool:
+    """SPEC §17: whether `events` (complete SSE events) hold a content token — a chat delta
+    with anything but its role (content, reasoning, tool calls) or a completion's text — or
+    anything the hold should not wait past (an error, a shape other than OpenAI's)."""
+    for line in events.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            continue
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return True
+        if not isinstance(obj, dict) or "error" in obj:
+            return True
+        choices = obj.get("choices")
+        if not isinstance(choices, list):
+            return True
+        for choice in choices:
+            if not isinstance(choice, dict):
+                return True
+            delta = choice.get("delta")
+            if isinstance(delta, dict) and any(v for k, v in delta.items() if k != "role"):
+                return True
+            if choice.get("text"):
+                return True
+    return False
+
+
+def _count(value: Any) -> int | None:
+    """A token count from an upstream's `usage`, if it is one (a non-negative int)."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return value if ok else None
+
+
+def _output_tokens(att: Attempt) -> int:
+    """SPEC §17: the attempt's completion tokens — `usage.completion_tokens`, else the
+    stream's counted content events (0: unknown)."""
+    if att.usage is not None:
+        n = _count(att.usage.get("completion_tokens"))
+        if n is not None:
+            return n
+    return att.tokens
 
 
 def is_instance_failure(status: int) -> bool:

@@ -60,6 +60,7 @@ ACCESS_FIELDS = (
     "completion_tokens",
     "affinity",
     "affinity_match",
+    "slo",
 )
 
 

@@ -99,6 +99,7 @@ REASONS = (
     "request_timeout",
     "draining",
     "overloaded",
+    "slo_unattainable",
     "malformed_request",
     "internal_error",
 )
@@ -147,6 +148,29 @@ class _CoreCollector(Collector):
             "Low grants forced by the starvation guard",
             labels=["pool"],
         )
+        # SPEC §17: the cap in force per instance (an adaptive instance's current limit), and
+        # the latency model's p90 predictions for a typical request now and their errors.
+        limit = GaugeMetricFamily(
+            "gateway_instance_concurrency_limit",
+            "Concurrency cap in force per instance (the adaptive limit, else max_concurrency)",
+            labels=["pool", "instance"],
+        )
+        predicted = GaugeMetricFamily(
+            "gateway_instance_predicted_seconds",
+            "Predicted p90 time to first token (ttft) and per output token (tpot) of a typical "
+            "request sent to the instance now",
+            labels=["pool", "instance", "kind"],
+        )
+        error = GaugeMetricFamily(
+            "gateway_instance_prediction_error_seconds",
+            "Mean absolute error of the instance's latency predictions (ttft, tpot)",
+            labels=["pool", "instance", "kind"],
+        )
+        calibrated = GaugeMetricFamily(
+            "gateway_instance_prediction_calibrated",
+            "1 while the instance's latency predictions are calibrated (used to place and shed)",
+            labels=["pool", "instance"],
+        )
         for name, pool in runtime.pools.items():
             snap = pool.snapshot()
             depth.add_metric([name, "high"], snap.queued_high)
@@ -161,7 +185,14 @@ class _CoreCollector(Collector):
                 ejections.add_metric(labels, inst.ejections)
                 for s in _STATES:
                     state.add_metric([*labels, s], 1.0 if s == inst.state else 0.0)
+                limit.add_metric(labels, inst.concurrency_limit)
+                predicted.add_metric([*labels, "ttft"], inst.predicted_ttft_ms / 1000)
+                predicted.add_metric([*labels, "tpot"], inst.predicted_tpot_ms / 1000)
+                error.add_metric([*labels, "ttft"], inst.ttft_mae_ms / 1000)
+                error.add_metric([*labels, "tpot"], inst.tpot_mae_ms / 1000)
+                calibrated.add_metric(labels, 1.0 if inst.calibrated else 0.0)
         yield from (depth, in_flight, capacity, state, ejections, grants, forced)
+        yield from (limit, predicted, error, calibrated)
 
 
 class _LogDropsCollector(Collector):
@@ -321,6 +352,14 @@ class Metrics:
             ["pool"],
             registry=r,
         )
+        # SPEC §17 goodput: requests with a latency objective, per result — met, missed (late,
+        # failed or timed out) or shed (`slo_unattainable`). Goodput = met / all of them.
+        self.slo = Counter(
+            "gateway_slo_requests",
+            "Requests with a latency objective, per pool, class and result (met, missed, shed)",
+            ["pool", "priority", "result"],
+            registry=r,
+        )
         self.reloads = Counter(
             "gateway_config_reloads", "Config reloads by result", ["result"], registry=r
         )
@@ -379,6 +418,10 @@ class Metrics:
         code = str(status)
         self._child(self.requests, pool or "", priority or "", code).inc()
         self._child(self.key_requests, key, code).inc()
+
+    def slo_request(self, pool: str, priority: str, result: str) -> None:
+        """SPEC §17: one request with an objective, `met`, `missed` or `shed`."""
+        self._child(self.slo, pool, priority, result).inc()
 
     def keep_keys(self, names: Iterable[str]) -> None:
         """The configured key names (at start and after each reload): their token series are

@@ -72,4 +72,5 @@ class Executor(Protocol):
         request_id: str,
         priority: str = "low",
         seen: list[Exchange] | None = None,
+        slo_ttft_ms: int | None = None,
     ) -> Outcome: ...

@@ -43,6 +43,8 @@ _BALANCERS = {
     "random": _core.Balancer.RANDOM,
     "p2c": _core.Balancer.P2C,
     "affinity": _core.Balancer.AFFINITY,
+    # SPEC §17: the most headroom under the request's objective, by the latency model.
+    "predicted": _core.Balancer.PREDICTED,
 }
 
 
@@ -100,6 +102,20 @@ class InstanceSnapshot:
     # SPEC §15 (`balancer: affinity`): prompt blocks the index remembers as sent to it, and
     # its bound (the instance's cache size in blocks); None in other pools.
     prefix_index: tuple[int, int] | None = None
+    # SPEC §17: the cap in force (an adaptive instance's current limit, else its
+    # max_concurrency), whether it is adaptive, and the latency model's view of it: p90 TTFT
+    # and TPOT of a typical request sent there now (ms), their mean absolute errors (ms), the
+    # share of TTFT samples within the p90 band, the samples learnt from (decayed), and
+    # whether the predictions are calibrated (only then do they place or shed requests).
+    concurrency_limit: int = 0
+    adaptive: bool = False
+    predicted_ttft_ms: float = 0.0
+    predicted_tpot_ms: float = 0.0
+    ttft_mae_ms: float = 0.0
+    tpot_mae_ms: float = 0.0
+    ttft_coverage: float = 0.0
+    samples: float = 0.0
+    calibrated: bool = False
 
     @property
     def usable(self) -> bool:
@@ -138,6 +154,10 @@ class PoolSnapshot:
     # unleased), and whether the replica fenced itself (its lease could not be renewed).
     lease_waiting: int = 0
     lease_fenced: bool = False
+    # SPEC §17 goodput in this process: requests with an objective, met / missed / shed.
+    slo_met: int = 0
+    slo_missed: int = 0
+    slo_shed: int = 0
 
     @property
     def ready(self) -> bool:
@@ -178,6 +198,8 @@ class Pool:
         self._affinity = config.affinity
         # The core's instance i is _upstreams[i]; removed ones stay until their slot is reused.
         self._upstreams: list[Upstream] = []
+        # SPEC §17: requests with an objective answered from this pool, by verdict.
+        self._slo: dict[str, int] = {"met": 0, "missed": 0, "shed": 0}
         # Upstreams replaced in a reused slot, closed by `collect`.
         self._replaced: list[Upstream] = []
         # The latest failed attempt per upstream (not per slot: a reused slot starts clean).
@@ -185,7 +207,9 @@ class Pool:
         # SPEC §15: the latest backend load reading per upstream (vLLM instances).
         self._backend: dict[Upstream, BackendLoad] = {}
         for inst in spec.instances:
-            self._core.add_instance(inst.max_concurrency, stable_id(inst.name))
+            self._core.add_instance(
+                inst.max_concurrency, stable_id(inst.name), inst.adaptive_concurrency
+            )
             self._upstreams.append(Upstream(inst, config.timeouts))
         # Where slots come from beyond the core's counters: its own (one process, or a worker
         # on the region), or SPEC §13 this replica's leased share of each instance (nothing
@@ -212,24 +236,58 @@ class Pool:
         excluded: int = 0,
         affinity_key: int = 0,
         prefix: _core.Prefix | None = None,
+        deadline_ms: int = 0,
+        prompt_tokens: int = 0,
     ) -> tuple[int, Priority, Affinity, int]:
         """Waits for a slot: (instance index, the class it waited in, where it landed relative
         to its affinity key, the leading blocks of `prefix` it holds). See `PoolScheduler`."""
         # SPEC §13: only instances this replica holds a lease of (a local mask, no Redis).
         excluded = await self._capacity.admit(excluded)
         return await self._scheduler.acquire(
-            ticket, priority, tenant, excluded, affinity_key, prefix
+            ticket, priority, tenant, excluded, affinity_key, prefix, deadline_ms, prompt_tokens
         )
+
+    def attainable(self, priority: Priority, deadline_ms: int, prompt_tokens: int) -> int:
+        """SPEC §17 "Unattainable": 0 when an instance of this pool is predicted to meet the
+        deadline (or nothing is calibrated yet: fail open), else when it may be, in ms."""
+        return self._core.attainable(priority, deadline_ms, prompt_tokens, now_ms())
+
+    def best_ttft_ms(self, prompt_tokens: int) -> float:
+        """The lowest p90 TTFT predicted for a request of this size on a live instance of
+        this pool now (inf: none), to rank pools by speed."""
+        now = now_ms()
+        core = self._core
+        best = float("inf")
+        for i in range(len(self._upstreams)):
+            info = core.instance(i, now)
+            if info.removed or info.state is InstanceState.EJECTED or not info.calibrated:
+                continue
+            best = min(best, core.predict(i, prompt_tokens, now)[0])
+        return best
+
+    def first_token(self, ticket: int) -> None:
+        """SPEC §17: the first content token of `ticket`'s attempt arrived (never raises)."""
+        try:
+            self._scheduler.first_token(ticket)
+        except Exception:
+            log.exception("recording a first token failed", extra={"fields": {"pool": self.name}})
+
+    def note_slo(self, result: str) -> None:
+        """SPEC §17: one request with an objective ended `met`, `missed` or `shed` here."""
+        if result in self._slo:
+            self._slo[result] += 1
 
     def upstream(self, index: int) -> Upstream:
         return self._upstreams[index]
 
-    def release(self, ticket: int, outcome: Outcome, retry_after_ms: int = 0) -> None:
+    def release(
+        self, ticket: int, outcome: Outcome, retry_after_ms: int = 0, output_tokens: int = 0
+    ) -> None:
         """An attempt ended: its slot goes back. This never raises (it runs in `finally`
         blocks, and a slot that is not given back is lost until a restart)."""
         try:
             self._capacity.guard()  # SPEC §13 self-fencing before the slot is re-granted
-            self._scheduler.release(ticket, outcome, retry_after_ms)
+            self._scheduler.release(ticket, outcome, retry_after_ms, output_tokens)
         except (KeyboardInterrupt, SystemExit, asyncio.CancelledError):
             raise
         except BaseException:
@@ -293,6 +351,12 @@ class Pool:
         self._capacity.assign(slots, expiry_ms)  # RuntimeError when cluster mode is off
         self.tick()  # capacity that came with the lease serves the queue at once
 
+    @property
+    def lease_waiting(self) -> int:
+        """Requests waiting here for a lease (cheap: no snapshot; the host's member adds the
+        other workers' to its demand, SPEC §12 × §13)."""
+        return self._capacity.waiting
+
     # ---- what people and the prober see ---------------------------------------------------
 
     def live_upstreams(self) -> list[tuple[int, Upstream]]:
@@ -339,6 +403,9 @@ class Pool:
             affinity_spills=stats.affinity_spills,
             lease_waiting=self._capacity.waiting,
             lease_fenced=self._capacity.fenced,
+            slo_met=self._slo["met"],
+            slo_missed=self._slo["missed"],
+            slo_shed=self._slo["shed"],
         )
 
     def _instance_snapshot(
@@ -363,6 +430,15 @@ class Pool:
             backend=self._backend.get(up),
             lease=capacity.lease(i),
             prefix_index=(info.prefix_blocks, info.prefix_capacity) if self.affine else None,
+            concurrency_limit=info.concurrency_limit,
+            adaptive=info.adaptive,
+            predicted_ttft_ms=info.predicted_ttft_ms,
+            predicted_tpot_ms=info.predicted_tpot_ms,
+            ttft_mae_ms=info.ttft_mae_ms,
+            tpot_mae_ms=info.tpot_mae_ms,
+            ttft_coverage=info.ttft_coverage,
+            samples=info.samples,
+            calibrated=info.calibrated,
         )
 
     def _on_transition(self, index: int, state: InstanceState) -> None:
@@ -404,12 +480,15 @@ class Pool:
                 self._core.remove_instance(idx)  # drains: in-flight attempts finish
                 continue
             self._core.set_max_concurrency(idx, inst.max_concurrency)
+            self._core.set_adaptive(idx, inst.adaptive_concurrency)
             up.update(inst, config.timeouts)
             kept.add(up.name)
         for name, inst in wanted.items():
             if name in kept:
                 continue
-            idx = self._core.add_instance(inst.max_concurrency, stable_id(inst.name))
+            idx = self._core.add_instance(
+                inst.max_concurrency, stable_id(inst.name), inst.adaptive_concurrency
+            )
             self._capacity.forget(idx)  # a reused slot: its old lease was another's
             fresh = Upstream(inst, config.timeouts)
             if idx < len(self._upstreams):

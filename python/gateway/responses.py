@@ -41,6 +41,8 @@ ANSWERS: dict[type[e.GatewayError], tuple[int, str, str]] = {
     # SPEC §7: upstreams that asked for a pause (503 Retry-After) are not up, as ejected ones.
     e.UpstreamUnavailable: (503, "no_healthy_instance", "server_error"),
     e.Overloaded: (503, "overloaded", "server_error"),
+    # SPEC §17: answered at once instead of timing out in a queue.
+    e.SloUnattainable: (503, "slo_unattainable", "server_error"),
     e.Draining: (503, "draining", "server_error"),
     e.Restarting: (503, "restarting", "server_error"),
     e.UpstreamTimedOut: (504, "upstream_timeout", "server_error"),

@@ -21,6 +21,7 @@ from gateway.topology import WorkerLink
 __all__ = ["PoolScheduler", "Unservable", "now_ms"]
 
 _MAX_PAUSE_MS = 2**53
+_U32_MAX = 2**32 - 1
 
 
 def now_ms() -> int:
@@ -64,10 +65,14 @@ class PoolScheduler:
         excluded: int = 0,
         affinity_key: int = 0,
         prefix: _core.Prefix | None = None,
+        deadline_ms: int = 0,
+        prompt_tokens: int = 0,
     ) -> tuple[int, Priority, Affinity, int]:
         """Waits for a slot; returns the granted instance index, the class it waited in,
         where it landed relative to its affinity key (SPEC §15; `NONE` without a key) and how
-        many leading blocks of its prompt (`prefix`) that instance holds.
+        many leading blocks of its prompt (`prefix`) that instance holds. SPEC §17:
+        `deadline_ms` (arrival + TTFT objective on this module's clock; 0: none) orders the
+        request inside its class, `prompt_tokens` feeds the latency model.
 
         Raises `QueueFull`, `NoHealthyInstance` (nothing up: try the fallback), `Unservable`
         (evicted while waiting, a `NoHealthyInstance`) or `QueueTimeout`. If the caller is
@@ -75,7 +80,17 @@ class PoolScheduler:
         the cancellation, its slot is released).
         """
         core = self.core
-        granted = core.submit(ticket, priority, now_ms(), tenant, excluded, affinity_key, prefix)
+        granted = core.submit(
+            ticket,
+            priority,
+            now_ms(),
+            tenant,
+            excluded,
+            affinity_key,
+            prefix,
+            deadline_ms=deadline_ms,
+            prompt_tokens=prompt_tokens,
+        )
         if core.has_transitions:
             self._transitions()
         if self._link is not None:
@@ -105,12 +120,21 @@ class PoolScheduler:
             with contextlib.suppress(_core.UnknownTicket):  # expired or evicted: nothing held
                 self.release(ticket, Outcome.NEUTRAL)
 
-    def release(self, ticket: int, outcome: Outcome, retry_after_ms: int = 0) -> None:
-        """An attempt ended; the freed slot goes to whoever the core picks."""
+    def release(
+        self, ticket: int, outcome: Outcome, retry_after_ms: int = 0, output_tokens: int = 0
+    ) -> None:
+        """An attempt ended; the freed slot goes to whoever the core picks. SPEC §17: the
+        answer's `output_tokens` (0: unknown) teach the instance's latency model."""
         # The core clamps the pause to max_ejection_ms; this only keeps the value inside
         # the u64 it crosses the boundary as (an overflow there would lose the slot).
         pause = min(max(0, retry_after_ms), _MAX_PAUSE_MS)
-        self.deliver(self.core.release(ticket, outcome, now_ms(), pause))
+        tokens = min(max(0, output_tokens), _U32_MAX)
+        self.deliver(self.core.release(ticket, outcome, now_ms(), pause, tokens))
+
+    def first_token(self, ticket: int) -> None:
+        """SPEC §17: the first content token of `ticket`'s attempt reached the gateway (the
+        instance's TTFT sample)."""
+        self.core.first_token(ticket, now_ms())
 
     def record_probe(self, index: int, ok: bool) -> None:
         self.deliver(self.core.record_probe(index, ok, now_ms()))

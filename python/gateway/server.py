@@ -69,9 +69,12 @@ class Server:
         backlog: int = 4096,
         topology: Topology | None = None,
     ) -> None:
-        # The composition root: the topology (one process, or one of N workers: SPEC §12) is
-        # decided here, from what the worker was handed at its start, and passed down.
+        # The composition root: the topology (one process, or one of N workers: SPEC §12;
+        # either of them a cluster member: SPEC §13) is decided here, from what the worker was
+        # handed at its start and the config, and passed down.
         self.topology = topology if topology is not None else Topology.single()
+        if config.cluster is not None:
+            self.topology = Topology.cluster(config.cluster, self.topology.link)
         self.gateway = Gateway(config, config_path=config_path, topology=self.topology)
         self.host = host or config.listen.host
         self.port = port if port is not None else config.listen.port
@@ -81,11 +84,15 @@ class Server:
         # SPEC §13 cluster mode; the module (and Redis's client) is imported only when the
         # config has a `cluster:` section.
         self.cluster: ClusterNode | None = None
-        if config.cluster is not None:
+        settings = self.topology.cluster_settings
+        if settings is not None:
             from gateway.cluster.node import ClusterNode
 
             gw = self.gateway
-            self.cluster = ClusterNode(gw.runtime, gw.keys, gw.metrics.registry, config.cluster)
+            # SPEC §12 × §13: with workers, one member per host talks to Redis (the seat).
+            self.cluster = ClusterNode(
+                gw.runtime, gw.keys, gw.metrics.registry, settings, self.topology.seat()
+            )
         self._runner: web.ServerRunner | None = None
         self._site: web.TCPSite | None = None
         self._tasks: set[asyncio.Task[object]] = set()
@@ -191,7 +198,9 @@ class Server:
         gw.metrics.exemplars = config.telemetry.exemplars
         if self.cluster is not None:
             self.cluster.adopt_keys(gw.keys)  # SPEC §13 cluster-wide limits, before any request
-            if config.cluster != self.cluster.settings:
+            assert config.cluster is not None  # both on: checked above
+            fresh = Topology.cluster(config.cluster, self.link).cluster_settings
+            if fresh != self.topology.cluster_settings:
                 notes.append("cluster settings apply after a restart")
         gw.metrics.reloaded(True)
         await gw.runtime.collect()
@@ -295,6 +304,8 @@ class Server:
         while True:
             worker.heartbeat(now_ms())
             try:
+                if self.cluster is not None:
+                    self.cluster.follow()  # SPEC §12 × §13: the host member's lease, applied
                 self._kick()
                 ticks += 1
                 if ticks % _METRICS_FLUSH_TICKS == 0:

@@ -18,10 +18,18 @@ import contextlib
 import json
 import os
 import signal
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
 
 from gateway import _core
+from gateway.config.schema import Cluster, default_replica_id
+
+if TYPE_CHECKING:
+    from gateway.cluster.host import HostSeat
 
 __all__ = ["WORKER_RESTARTS_FILE", "Topology", "WorkerLink"]
 
@@ -140,11 +148,14 @@ def _report_path(directory: str, slot: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Topology:
-    """One process (`single`) or one of N workers sharing a region (`workers`). Cluster
-    membership (SPEC §13) composes with either: the `Server` builds its `ClusterNode` from
-    the config's `cluster:` section over the pools this topology attached."""
+    """One process (`single`) or one of N workers sharing a region (`workers`), and either of
+    them a cluster member (`cluster`, SPEC §13): the `Server` builds its `ClusterNode` from
+    `cluster` over the pools this topology attached, seated at its host's one membership
+    (`seat()`) when it is one of several workers (SPEC §12 × §13)."""
 
     link: WorkerLink | None = None
+    #: SPEC §13: the cluster settings, with the replica id of the host (None: no cluster).
+    cluster_settings: Cluster | None = None
 
     @classmethod
     def single(cls) -> Topology:
@@ -153,6 +164,25 @@ class Topology:
     @classmethod
     def workers(cls, link: WorkerLink) -> Topology:
         return cls(link)
+
+    @classmethod
+    def cluster(cls, settings: Cluster, link: WorkerLink | None = None) -> Topology:
+        """SPEC §12: "`cluster:` with `--workers N` is one replica per host": every worker of a
+        host is the same replica. Its default id ("host name + pid") is the supervisor's pid,
+        not each worker's, so a worker that takes the member role over (or a replacement)
+        renews the host's lease rather than registering another replica."""
+        if link is not None and settings.replica_id == default_replica_id():
+            host_id = f"{socket.gethostname()}-{link.supervisor}"
+            settings = msgspec.structs.replace(settings, replica_id=host_id)
+        return cls(link, settings)
+
+    def seat(self) -> HostSeat | None:
+        """This worker's seat at its host's membership (None: one process, or no cluster)."""
+        if self.cluster_settings is None or self.link is None or not self.link.directory:
+            return None
+        from gateway.cluster.host import HostSeat  # SPEC §13: only with a cluster section
+
+        return HostSeat(self.link.directory, self.link.slot, self.link.workers)
 
     @property
     def metrics_dir(self) -> str | None:

@@ -793,10 +793,20 @@ class Runner:
                     if not await self._nap(run, wait):
                         return None
                     return await self.ports.executor.call(
-                        run.endpoint, body, tenant, request_id=request_id, seen=seen
+                        run.endpoint,
+                        body,
+                        tenant,
+                        request_id=request_id,
+                        seen=seen,
+                        slo_ttft_ms=_window_left_ms(run),
                     )
         return await self.ports.executor.call(
-            run.endpoint, body, tenant, request_id=request_id, seen=seen
+            run.endpoint,
+            body,
+            tenant,
+            request_id=request_id,
+            seen=seen,
+            slo_ttft_ms=_window_left_ms(run),
         )
 
     def _hold(self, owner: str, seconds: float) -> None:
@@ -819,6 +829,14 @@ class Runner:
             run.tenant = None if base is None else owners.batch_tenant(base, run.row.owner)
             run.ring = keys
         return run.tenant
+
+
+def _window_left_ms(run: _Run) -> int | None:
+    """SPEC §14/§17: "each line carries a deadline from the batch's `completion_window`" —
+    its objective is the time left until the window ends (None: the batch has no end)."""
+    if run.expires_at == float("inf"):
+        return None
+    return max(1, int((run.expires_at - time.time()) * 1000))
 
 
 def _result(

@@ -9,7 +9,9 @@ hints — all exchanged in the background, none on the request path.
   static share;
 - `ratelimit`: per-key limits spent from chunks leased from central buckets;
 - `hints`: shared ejection hints, confirmed by local probes;
-- `node`: the sync task, and the cluster's block in /admin/state, /readyz and /metrics.
+- `node`: the sync task, and the cluster's block in /admin/state, /readyz and /metrics;
+- `host`: with `--workers N`, the host's one member (the worker that talks to Redis) and what
+  it publishes to the others (SPEC §12 × §13).
 
 Importing this package imports nothing of Redis: only `Server` imports `node` (and with it the
 client), and only when the config has a `cluster:` section.

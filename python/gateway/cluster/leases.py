@@ -44,12 +44,18 @@ from gateway.scheduler import now_ms
 __all__ = ["PoolLease", "demand_of"]
 
 
-def demand_of(snap: PoolSnapshot) -> dict[str, list[int]]:
+def demand_of(
+    snap: PoolSnapshot, elsewhere: int = 0, held: dict[str, int] | None = None
+) -> dict[str, list[int]]:
     """Per instance name `[C, floor, want, in_flight]` (a removed instance still draining under
-    the same name adds its in-flight to both `floor` and `in_flight`)."""
+    the same name adds its in-flight to both `floor` and `in_flight`). `elsewhere`: requests
+    the host's other workers hold waiting for a lease (SPEC §12 × §13: the demand is the
+    host's; its queues and in-flight counts are already in `snap`, from the region); `held`:
+    caps another worker of the host may still apply (a shrink it has not acknowledged), which
+    the floor covers too."""
     live = [i for i in snap.instances if not i.removed]
     total = sum(i.max_concurrency for i in live) or 1
-    queued = snap.queued_high + snap.queued_low + snap.lease_waiting
+    queued = snap.queued_high + snap.queued_low + snap.lease_waiting + elsewhere
     out: dict[str, list[int]] = {}
     for inst in snap.instances:
         row = out.setdefault(inst.name, [inst.max_concurrency, 0, 0, 0])
@@ -58,7 +64,7 @@ def demand_of(snap: PoolSnapshot) -> dict[str, list[int]]:
             row[1] += inst.in_flight
             continue
         row[0] = inst.max_concurrency
-        row[1] += max(inst.in_flight, inst.lease or 0)
+        row[1] += max(inst.in_flight, inst.lease or 0, (held or {}).get(inst.name, 0))
         spread = math.ceil(queued * inst.max_concurrency / total)
         # SPEC §13 "Shares follow demand": an idle replica wants nothing (its share shrinks to
         # its in-flight, so a busy one can use the whole cap); a busy one a quarter more.
@@ -95,13 +101,51 @@ class PoolLease:
     static_since: int | None = None
     #: Whether the last fresh answer lowered a lease (the node then syncs again at once).
     shrank: bool = False
+    #: What was last applied to the pool: slots by instance name, and the lease's expiry
+    #: (None: the static share). With workers, the member publishes it for the others.
+    applied: dict[str, int] | None = None
+    applied_expiry: int | None = None
 
     @property
     def fail_static(self) -> bool:
         return self.static_since is not None
 
-    def payload(self, snap: PoolSnapshot) -> dict[str, Any]:
-        return {"i": demand_of(snap)}
+    def payload(
+        self, snap: PoolSnapshot, elsewhere: int = 0, held: dict[str, int] | None = None
+    ) -> dict[str, Any]:
+        return {"i": demand_of(snap, elsewhere, held)}
+
+    def export(self) -> dict[str, Any]:
+        """What a worker taking the host's member role over continues from (SPEC §12 × §13):
+        the monotonic times compare across the host's processes."""
+        return {
+            "last_ok_sent": self.last_ok_sent,
+            "replicas": self.replicas,
+            "targets": self.targets,
+            "static_since": self.static_since,
+        }
+
+    def restore(self, doc: Any) -> None:
+        """Continues from a former member's `export` (ignores what does not fit)."""
+        if not isinstance(doc, dict):
+            return
+        sent, replicas, since = (
+            doc.get("last_ok_sent"),
+            doc.get("replicas"),
+            doc.get("static_since"),
+        )
+        self.last_ok_sent = sent if isinstance(sent, int) else None
+        self.replicas = replicas if isinstance(replicas, int) and replicas > 0 else None
+        self.static_since = since if isinstance(since, int) else None
+        targets = doc.get("targets")
+        if isinstance(targets, dict):
+            self.targets = {str(k): v for k, v in targets.items() if isinstance(v, int)}
+
+    def _applied(self, pool: Pool, slots: dict[int, int], expiry: int | None) -> None:
+        names = dict(pool.live_upstreams())
+        self.applied = {names[i].name: n for i, n in slots.items() if i in names}
+        self.applied_expiry = expiry
+        pool.apply_leases(slots, expiry)
 
     def succeeded(self, pool: Pool | None, reply: dict[str, Any], sent: int) -> bool:
         """Takes an answer sent at `sent`; applies it if still fresh. Returns whether it was
@@ -131,7 +175,7 @@ class PoolLease:
         self.static_since = None
         if pool is not None:
             slots = {idx: self.targets.get(up.name, 0) for idx, up in pool.live_upstreams()}
-            pool.apply_leases(slots, expiry)
+            self._applied(pool, slots, expiry)
         return True
 
     def failed(self, pool: Pool | None, started: int) -> None:
@@ -144,7 +188,7 @@ class PoolLease:
             if not self._go_static(now, started):
                 return
             self.static_since = now
-        pool.apply_leases(self.static_share(pool, now), None)
+        self._applied(pool, self.static_share(pool, now), None)
 
     def _go_static(self, now: int, started: int) -> bool:
         if self.last_ok_sent is None:

@@ -11,11 +11,14 @@ the core's caps and masks (`local.LocalLeases`) and each key's local allowance
 `Server` owns the task (start: one sync before listening; shutdown: after the drain, a last
 sync that gives every lease back, so the others need not wait `lease_ms` for it).
 
-With `--workers N` (SPEC §12, not built yet) the lease belongs to the host, not the process:
-one `ClusterNode` would run in the supervisor with `replica_id` naming the host, its reports
-summing the shared-memory pools' in-flight and queues, and `Pool.apply_leases` becoming a write
-of each instance's cap and mask into the shared state every worker admits from. Nothing else
-here changes: the seam is `Pool.apply_leases` / the pool snapshot, as now.
+With `--workers N` (SPEC §12 × §13) the lease belongs to the host, not the process: every worker
+runs a `ClusterNode` with the host's `replica_id`, and the one holding the host's member role
+(`host.HostSeat`) runs the lease syncs — its pool snapshots are already the host's queues and
+in-flight counts (the region), plus what the others hold waiting for a lease — and publishes
+the leases it applied; the others apply them each tick (`follow`) and show its cluster block.
+Per-key limits stay chunks leased per process (each worker takes its own chunk from the
+central bucket: never over the limit, under-use bounded by the chunks held) until the per-key
+limits move into the region; then the member takes the host's chunk.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -32,6 +36,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.cluster.hints import CONFIRM_GAP_S, HintTracker
+from gateway.cluster.host import HostSeat
 from gateway.cluster.leases import PoolLease
 from gateway.cluster.ratelimit import RateShare, RateSync
 from gateway.cluster.redis_state import RedisState, RedisUnavailable
@@ -77,10 +82,27 @@ class ClusterNode:
     """One replica of a gateway cluster."""
 
     def __init__(
-        self, pools: Pools, keys: KeyRing, registry: CollectorRegistry, settings: Cluster
+        self,
+        pools: Pools,
+        keys: KeyRing,
+        registry: CollectorRegistry,
+        settings: Cluster,
+        host: HostSeat | None = None,
     ) -> None:
         self.running = pools
         self.settings = settings
+        #: SPEC §12 × §13: this worker's seat at its host's membership (None: one process).
+        self.host = host
+        #: The host member's last publication, as a follower saw it.
+        self._doc: dict[str, Any] | None = None
+        self._leading = False
+        self._elsewhere: dict[str, int] = {}
+        #: The member's publications: sequence number, and what it published (as a follower:
+        #: the last one applied). `_unacked`: (seq, until monotonic ms, slots per pool) of
+        #: those some other worker may not have applied yet.
+        self._seq = 0
+        self._unacked: list[tuple[int, int, dict[str, dict[str, int]]]] = []
+        self._last_slots: dict[str, dict[str, int]] = {}
         self.replica = settings.replica_id
         lease_ms, renew_ms = settings.lease_ms, settings.renew_ms
         # Self-fence a quarter of a lease before Redis could expire it (2 s → 0.5 s).
@@ -127,8 +149,22 @@ class ClusterNode:
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """The first sync, before the replica listens (bounded by the client's timeouts)."""
-        await self.sync_once()
+        """The first sync, before the replica listens (bounded by the client's timeouts). A
+        worker that is not its host's member waits (at most `lease_ms`) for the member's
+        first publication instead, or takes the role if it comes free meanwhile."""
+        host = self.host
+        if host is None or host.try_lead():
+            await self.sync_once()
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.lease_ms / 1000
+        while self._doc is None and loop.time() < deadline:
+            if host.try_lead():
+                await self.sync_once()
+                return
+            await asyncio.sleep(0.01)
+            self.follow()
+        await self.sync_once()  # the rate-limit chunks of this worker
 
     async def run(self) -> None:
         """Syncs every `renew_ms` until cancelled."""
@@ -149,12 +185,21 @@ class ClusterNode:
                 log.exception("cluster sync failed")
 
     async def close(self) -> None:
-        """Gives every lease back (a last sync marked `leave`), then closes the client."""
+        """Gives every lease back (a last sync marked `leave`), then closes the client. A
+        host's member gives them back only when nothing runs on the host any more (the other
+        workers may still be draining: the lease then expires, or one of them takes the role
+        and leaves last)."""
         for task in list(self._tasks):
             task.cancel()
-        for name in list(self.pools):
-            with contextlib.suppress(*RedisUnavailable):
-                await self.redis.lease_sync(name, self.replica, self.settings.lease_ms, 0, _LEAVE)
+        host = self.host
+        if host is None or (host.member and self._host_idle()):
+            for name in list(self.pools):
+                with contextlib.suppress(*RedisUnavailable):
+                    await self.redis.lease_sync(
+                        name, self.replica, self.settings.lease_ms, 0, _LEAVE
+                    )
+        if host is not None:
+            host.resign()
         with contextlib.suppress(*RedisUnavailable):
             await self.redis.close()
 
@@ -164,7 +209,25 @@ class ClusterNode:
 
     # ---- one sync --------------------------------------------------------------------------
 
+    def _host_idle(self) -> bool:
+        return all(
+            p.snapshot().in_flight == 0 and p.snapshot().waiting == 0
+            for p in self.running.pools.values()
+        )
+
     async def sync_once(self) -> None:
+        host = self.host
+        if host is not None and not host.try_lead():
+            # SPEC §12 × §13: another worker is the host's member; this one's own chunks only.
+            await self._sync_rates()
+            self._follow_rates()
+            return
+        if host is not None:
+            if not self._leading:
+                self._take_over(host)
+            self._elsewhere, acked = host.others()
+            now = now_ms()
+            self._unacked = [u for u in self._unacked if u[0] > acked and u[1] > now]
         pools = self.running.pools
         jobs = [self._sync_pool(name) for name in pools]
         jobs.append(self._sync_rates())
@@ -172,11 +235,10 @@ class ClusterNode:
             jobs.append(self._leave(name))  # a pool a reload removed
         await asyncio.gather(*jobs)
         self._update_static()
+        if host is not None:
+            self._publish(host)
 
-    async def _sync_pool(self, name: str) -> None:
-        pool = self.running.pools.get(name)
-        if pool is None:
-            return
+    def _lease_of(self, name: str) -> PoolLease:
         lease = self.pools.get(name)
         if lease is None:
             c = self.settings
@@ -189,8 +251,19 @@ class ClusterNode:
                 expected_replicas=c.expected_replicas,
                 attempt_ms=c.renew_ms + self.timeout_ms,
             )
+        return lease
+
+    async def _sync_pool(self, name: str) -> None:
+        pool = self.running.pools.get(name)
+        if pool is None:
+            return
+        lease = self._lease_of(name)
         snap = pool.snapshot()
-        payload = lease.payload(snap)
+        held: dict[str, int] = {}
+        for _, _, pools in self._unacked:  # SPEC §13: a cap another worker may still apply
+            for instance, n in pools.get(name, {}).items():
+                held[instance] = max(held.get(instance, 0), n)
+        payload = lease.payload(snap, self._elsewhere.get(name, 0), held)
         payload["h"] = self.hints.outgoing(name, snap)
         sent = now_ms()
         try:
@@ -250,9 +323,136 @@ class ClusterNode:
     def _update_static(self) -> None:
         """Rate limits follow the slots: static 1/N while any pool is on its static share."""
         counts = [p.divisor for p in self.pools.values() if p.fail_static]
-        self.rates.set_static(max(counts) if counts else None)
         live = [p.replicas for p in self.pools.values() if p.replicas]
-        self.rates.share.replicas = max(live) if live else 1
+        self._rates_split(max(counts) if counts else None, max(live) if live else 1)
+
+    def _rates_split(self, static: int | None, replicas: int) -> None:
+        # Each worker of a host holds its own chunks: a host's static share of a key's rate
+        # is split among its workers, and so is its part of an idle central bucket.
+        workers = self.host.workers if self.host is not None else 1
+        self.rates.set_static(static * workers if static else None)
+        self.rates.share.replicas = replicas * workers
+
+    # ---- SPEC §12 × §13: one member per host ----------------------------------------------
+
+    @property
+    def follower(self) -> bool:
+        """A worker whose host's member is another worker."""
+        return self.host is not None and not self.host.member
+
+    def _take_over(self, host: HostSeat) -> None:
+        """This worker just became its host's member: it continues the former member's lease
+        state (its times are on the host's one monotonic clock), so a role that moved mid-lease
+        or on the static share goes on as if nothing happened."""
+        self._leading = True
+        doc = self._doc if self._doc is not None else host.read()
+        seq = doc.get("seq") if isinstance(doc, dict) else None
+        self._seq = max(self._seq, seq if isinstance(seq, int) else 0)
+        pools = doc.get("pools") if isinstance(doc, dict) else None
+        if isinstance(pools, dict):
+            for name, entry in pools.items():
+                if name in self.running.pools and isinstance(entry, dict):
+                    self._lease_of(name).restore(entry.get("lease"))
+        log.info(
+            "cluster: this worker is the host's member",
+            extra={"fields": {"replica": self.replica, "worker": host.slot}},
+        )
+
+    def _publish(self, host: HostSeat) -> None:
+        pools: dict[str, Any] = {}
+        for name, lease in self.pools.items():
+            if lease.applied is None:
+                continue
+            pools[name] = {
+                "slots": lease.applied,
+                "expiry_ms": lease.applied_expiry,
+                "lease": lease.export(),
+            }
+        counts = [p.divisor for p in self.pools.values() if p.fail_static]
+        live = [p.replicas for p in self.pools.values() if p.replicas]
+        self._seq += 1
+        now = now_ms()
+        expiries = [e["expiry_ms"] for e in pools.values() if e["expiry_ms"] is not None]
+        until = max(expiries, default=now + self.settings.lease_ms)
+        slots = {n: e["slots"] for n, e in pools.items()}
+        # A publication that lowers a cap is acknowledged by every worker once applied (the
+        # others need not be: a worker still on an earlier one holds no more than now).
+        last = self._last_slots
+        shrink = any(
+            n < last.get(pool, {}).get(instance, 0)
+            for pool, caps in slots.items()
+            for instance, n in caps.items()
+        )
+        self._last_slots = slots
+        self._unacked.append((self._seq, until, slots))
+        host.publish(
+            {
+                "seq": self._seq,
+                "shrink": shrink,
+                "member": {"worker": host.slot, "pid": os.getpid()},
+                "at_ms": now_ms(),
+                "pools": pools,
+                "rates": {"static": max(counts) if counts else None, "replicas": max(live or [1])},
+                "joined": self.joined,
+                "state": self._state(),
+            }
+        )
+
+    def follow(self) -> None:
+        """Every tick of every worker of a host: reports what waits here for a lease, and a
+        follower applies the member's publication when it changed (a `stat` otherwise)."""
+        host = self.host
+        if host is None:
+            return
+        pools = self.running.pools
+        if not host.member:
+            self._apply_published(host)
+        # After applying: the member counts a shrink as done once every worker reported it.
+        host.report({name: p.lease_waiting for name, p in pools.items()}, self._seq)
+
+    def _apply_published(self, host: HostSeat) -> None:
+        pools = self.running.pools
+        doc = host.changed()
+        if doc is None:
+            return
+        self._doc = doc
+        published = doc.get("pools")
+        if not isinstance(published, dict):
+            return
+        for name, pool in pools.items():
+            entry = published.get(name)
+            if not isinstance(entry, dict) or not isinstance(entry.get("slots"), dict):
+                continue
+            slots = entry["slots"]
+            expiry = entry.get("expiry_ms")
+            by_index = {}
+            for idx, up in pool.live_upstreams():
+                n = slots.get(up.name, 0)
+                by_index[idx] = n if isinstance(n, int) and n >= 0 else 0
+            pool.apply_leases(by_index, expiry if isinstance(expiry, int) else None)
+        seq = doc.get("seq")
+        if doc.get("shrink") is True and isinstance(seq, int):
+            self._seq = seq  # acknowledged in this tick's report (written only when it changes)
+
+    def _follow_rates(self) -> None:
+        rates = self._doc.get("rates") if self._doc is not None else None
+        if not isinstance(rates, dict):
+            return
+        static, replicas = rates.get("static"), rates.get("replicas")
+        self._rates_split(
+            static if isinstance(static, int) and static > 0 else None,
+            replicas if isinstance(replicas, int) and replicas > 0 else 1,
+        )
+
+    def _published_state(self) -> dict[str, Any] | None:
+        doc = self._doc
+        state = doc.get("state") if doc is not None else None
+        return state if isinstance(state, dict) else None
+
+    def _member_silent(self) -> bool:
+        """The publication is older than a lease (the member stopped, and nobody took over)."""
+        at = self._doc.get("at_ms") if self._doc is not None else None
+        return not isinstance(at, int) or now_ms() - at > self.settings.lease_ms
 
     # ---- hints -----------------------------------------------------------------------------
 
@@ -297,13 +497,27 @@ class ClusterNode:
     def joined(self) -> bool:
         """Whether every pool serves: it had a lease at least once, or it is on its static
         share (SPEC §13: a replica that starts while Redis is unreachable serves on it)."""
+        if self.follower:
+            return self._doc is not None and self._doc.get("joined") is True
         return bool(self.pools) and all(
             p.replicas is not None or p.fail_static for p in self.pools.values()
         )
 
     @property
     def fail_static(self) -> bool:
+        if self.follower:
+            rates = self._doc.get("rates") if self._doc is not None else None
+            return isinstance(rates, dict) and rates.get("static") is not None
         return any(p.fail_static for p in self.pools.values())
+
+    @property
+    def redis_reachable(self) -> bool:
+        """Whether the host's last lease sync reached Redis (a follower: as published)."""
+        if self.follower:
+            state = self._published_state()
+            redis = state.get("redis") if state is not None else None
+            return isinstance(redis, dict) and redis.get("up") is True
+        return self.redis_up
 
     @property
     def fenced(self) -> bool:
@@ -316,13 +530,43 @@ class ClusterNode:
         not ready)."""
         if not self.joined:
             return "joining"
+        if self.follower:
+            state = self._published_state()
+            if self.fenced or self._member_silent() or state is None:
+                return "degraded"
+            status = state.get("status")
+            return status if status in ("ok", "degraded") else "degraded"
         if self.fail_static or self.fenced or self.failures >= 2:
             return "degraded"
         return "ok"
 
     def state(self) -> dict[str, Any]:
         """The `cluster` block of /admin/state (SPEC §13: "replicas seen, each instance's lease
-        per replica")."""
+        per replica"). With workers, any worker shows its host's (the member's publication,
+        with who the member is)."""
+        host = self.host
+        if host is None:
+            return self._state()
+        if host.member:
+            doc = self._state()
+            member: Any = {"worker": host.slot, "pid": os.getpid()}
+            age: int | None = 0
+        else:
+            doc = dict(self._published_state() or {"replica_id": self.replica, "pools": {}})
+            doc["status"] = self.status
+            doc["degraded"] = self.status == "degraded"
+            member = self._doc.get("member") if self._doc is not None else None
+            at = self._doc.get("at_ms") if self._doc is not None else None
+            age = now_ms() - at if isinstance(at, int) else None
+        doc["host"] = {
+            "workers": host.workers,
+            "member": member,
+            "published_age_ms": age,
+            "answered_by": host.slot,
+        }
+        return doc
+
+    def _state(self) -> dict[str, Any]:
         seen: set[str] = set()
         pools: dict[str, Any] = {}
         for name, pool in self.running.pools.items():
@@ -421,7 +665,11 @@ class _ClusterCollector(Collector):
                     theirs.add_metric([name, instance, replica], held)
         yield from (mine, theirs, replicas)
         flags = (
-            ("gateway_cluster_redis_up", "1 if the last sync with Redis succeeded", node.redis_up),
+            (
+                "gateway_cluster_redis_up",
+                "1 if the last sync with Redis succeeded",
+                node.redis_reachable,
+            ),
             (
                 "gateway_cluster_fail_static",
                 "1 while a pool runs on the static share (Redis unreachable)",

@@ -16,7 +16,9 @@ every file `gateway check` accepts also passes the schema:
 - `realtime` / `batch` are accepted wherever a priority is (SPEC §4);
 - an empty section (`health:` with all of it commented out) keeps its defaults, so `null` is
   allowed for every section;
-- a partial `scheduler.high` / `low` keeps its class's defaults: no field of theirs is required.
+- a partial `scheduler.high` / `low` keeps its class's defaults: no field of theirs is required;
+- an instance's `max_concurrency` may be `{max: N, adaptive: true}` (SPEC §17; the loader
+  splits it into `max_concurrency` and `adaptive_concurrency`).
 
 Secrets (`Secret` fields: keys, header values, proxies, `cluster.redis_url`) are plain strings
 marked `writeOnly`, with a description asking for a `${VAR}` reference.
@@ -30,7 +32,13 @@ from typing import Any, Final
 
 import msgspec
 
-from gateway.config.schema import PRIORITY_ALIASES, ClassSettings, Config, struct_fields
+from gateway.config.schema import (
+    PRIORITY_ALIASES,
+    ClassSettings,
+    Config,
+    InstanceSpec,
+    struct_fields,
+)
 from gateway.config.secret import Secret
 
 __all__ = ["ENV_REFERENCE", "SCHEMA_DIALECT", "json_schema"]
@@ -59,6 +67,7 @@ def json_schema() -> dict[str, Any]:
         _allow_null_sections(defs[name])
     # The loader completes a partial class from its own defaults (`CLASS_DEFAULTS`).
     defs[ClassSettings.__name__]["required"] = []
+    _adaptive_form(defs[InstanceSpec.__name__]["properties"])
     defs = _loosen(defs)
     root = defs.pop(Config.__name__)
     return {
@@ -145,3 +154,19 @@ def _flatten(options: list[Any]) -> list[Any]:
             if inner not in flat:
                 flat.append(inner)
     return flat
+
+
+def _adaptive_form(props: dict[str, Any]) -> None:
+    """SPEC §17: `max_concurrency: N` or `max_concurrency: {max: N, adaptive: true}`."""
+    plain = props["max_concurrency"]
+    props["max_concurrency"] = {
+        "anyOf": [
+            plain,
+            {
+                "type": "object",
+                "properties": {"max": plain, "adaptive": {"type": "boolean", "default": False}},
+                "required": ["max"],
+                "additionalProperties": False,
+            },
+        ]
+    }

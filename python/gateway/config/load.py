@@ -75,6 +75,7 @@ def _build(data: dict[Any, Any], env: Mapping[str, str]) -> Config:
     _drop_null_sections(expanded, Config)
     _normalise_priorities(expanded, errors)
     _fill_class_defaults(expanded)
+    _split_concurrency(expanded, errors)
     errors += collect(expanded, Config)
     if not errors:
         try:
@@ -300,3 +301,38 @@ def _fill_class_defaults(data: dict[Any, Any]) -> None:
             section = sched.get(cls)
             if isinstance(section, dict):
                 sched[cls] = {**defaults, **section}
+
+
+def _split_concurrency(data: dict[Any, Any], errors: list[ConfigError]) -> None:
+    """SPEC §17: an instance's `max_concurrency: {max: N, adaptive: true}` becomes
+    `max_concurrency: N` (the hard ceiling) and `adaptive_concurrency: true`, in place; a plain
+    integer stays as it is. An unknown or missing key is appended to `errors`."""
+    pools = data.get("pools")
+    if not isinstance(pools, dict):
+        return
+    for name, pool in pools.items():
+        instances = pool.get("instances") if isinstance(pool, dict) else None
+        if not isinstance(instances, list):
+            continue
+        for i, inst in enumerate(instances):
+            value = inst.get("max_concurrency") if isinstance(inst, dict) else None
+            if not isinstance(value, dict):
+                continue
+            path = f"pools.{name}.instances[{i}].max_concurrency"
+            unknown = [k for k in value if k not in ("max", "adaptive")]
+            for key in unknown:
+                errors.append(ConfigError(f"{path}.{key}", "unknown field; expected max, adaptive"))
+            if "max" not in value:
+                errors.append(ConfigError(f"{path}.max", "required: the hard ceiling"))
+                inst["max_concurrency"] = UNUSABLE
+                continue
+            inst["max_concurrency"] = value["max"]
+            if "adaptive" in value:
+                if "adaptive_concurrency" in inst:
+                    errors.append(
+                        ConfigError(
+                            f"pools.{name}.instances[{i}].adaptive_concurrency",
+                            "given twice (also as max_concurrency.adaptive)",
+                        )
+                    )
+                inst["adaptive_concurrency"] = value["adaptive"]

@@ -77,7 +77,9 @@ NonNegativeMs: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=_MS_MAX)]
 
 PriorityName: TypeAlias = Literal["high", "low"]
 PolicyName: TypeAlias = Literal["weighted", "strict"]
-BalancerName: TypeAlias = Literal["least_connections", "round_robin", "random", "p2c", "affinity"]
+BalancerName: TypeAlias = Literal[
+    "least_connections", "round_robin", "random", "p2c", "affinity", "predicted"
+]
 ProviderName: TypeAlias = Literal["openai", "vllm", "dashscope", "qianfan"]
 ComplexityName: TypeAlias = Literal["simple", "complex"]
 
@@ -125,6 +127,9 @@ class ClassSettings(_Section, frozen=True, kw_only=True):
     capacity: PositiveInt
     weight: NonNegativeInt
     max_wait_ms: PositiveMs
+    # SPEC §17: the class's latency objectives (after the request's headers and its key's).
+    slo_ttft_ms: PositiveMs | None = None
+    slo_tpot_ms: PositiveMs | None = None
 
 
 # SPEC §3 defaults per class; a partial `high:` / `low:` section keeps the rest of its own
@@ -152,6 +157,9 @@ class Scheduler(_Section, frozen=True, kw_only=True):
     max_consecutive_high: PositiveInt = 20
     max_low_wait_ms: PositiveMs = 5000
     overflow_high_to_low: bool = True
+    # SPEC §17: a request whose objective no instance it may use is predicted to meet is
+    # answered at once 503 `slo_unattainable` (with Retry-After) instead of queueing.
+    shed_unattainable: bool = False
 
 
 class Probe(_Section, frozen=True, kw_only=True):
@@ -209,6 +217,9 @@ class InstanceSpec(_Section, frozen=True, kw_only=True):
     model: str
     api_key: Secret | None = None
     max_concurrency: PositiveInt
+    # SPEC §17: `max_concurrency: {max: N, adaptive: true}` in the file (the loader splits it):
+    # the gateway finds the instance's limit below `max_concurrency`, its hard ceiling.
+    adaptive_concurrency: bool = False
     provider: ProviderName = "openai"
     # Header values are secrets too: they are where extra credentials usually go.
     headers: dict[str, Secret] = {}
@@ -311,6 +322,9 @@ class ApiKey(_Section, frozen=True, kw_only=True):
     tpm: PositiveInt | None = None
     models: list[str] | None = None
     routes: dict[str, str] | None = None
+    # SPEC §17: this key's latency objectives (after the request's headers, before the class's).
+    slo_ttft_ms: PositiveMs | None = None
+    slo_tpot_ms: PositiveMs | None = None
 
 
 class Auth(_Section, frozen=True, kw_only=True):

@@ -25,6 +25,14 @@ Like vLLM it can also hold a batch and a prefix cache (SPEC §15's reason to exi
   hashes), full blocks only; a request reuses the longest cached run of its leading blocks and
   caches the rest. Its block size is its own (vLLM's 16 tokens are not the gateway's 64
   bytes), and `prefix_cached_chars` / `prefix_prompt_chars` count the cached share.
+
+With `engine` set to a profile (`h100-7b`, `a100-7b`) generations run instead through a
+continuous-batching engine model (`gateway.sim.engine`: one step loop, decodes first, prefill
+chunks, KV blocks, preemption, a block prefix cache): the first content token comes after the
+prompt's prefill, later tokens one per step, and a step slows with every running sequence.
+`latency_ms`, `tokens_per_s` and the prefix options above do not apply to it; `max_num_seqs`
+overrides the profile's; its `/metrics` are vLLM's (waiting, running, KV-cache usage under
+both names, cache config, preemptions, prefix-cache tokens).
 """
 
 from __future__ import annotations
@@ -52,8 +60,10 @@ from aiohttp import web
 
 from gateway.affinity import render_prefix
 from gateway.messages import message_chars
+from gateway.sim.engine import PROFILES, Engine, EngineFull, Profile, Sequence, profile_with
 
 __all__ = [
+    "ENGINE_PROFILES",
     "FAIL_MODES",
     "LATENCY_DISTS",
     "FailMode",
@@ -71,6 +81,7 @@ LatencyDist = Literal["fixed", "uniform", "exponential", "lognormal", "pareto"]
 FailMode = Literal["status", "reset", "hang", "error200", "stall", "cut", "malformed"]
 LATENCY_DISTS: Final[tuple[str, ...]] = get_args(LatencyDist)
 FAIL_MODES: Final[tuple[str, ...]] = get_args(FailMode)
+ENGINE_PROFILES: Final[tuple[str, ...]] = tuple(PROFILES)
 
 # Shape parameters of the random latency distributions; each is scaled so its mean is
 # `latency_ms`. Pareto with alpha 1.5 has a finite mean but infinite variance: a heavy tail.
@@ -107,6 +118,15 @@ class MockBehavior(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prefill_us_per_char: float = 0.0  # prefill cost of each prompt character not cached
     # > 0: `prefix_cache` counts blocks of this many characters (vLLM's block cache)
     prefix_block_chars: int = 0
+    # The continuous-batching engine model (gateway.sim.engine); "" = off
+    engine: str = ""  # a profile: h100-7b | a100-7b
+    kv_tokens: int = 0  # KV cache size in tokens; 0 = the profile's
+    max_num_batched_tokens: int = 0  # tokens per step; 0 = the profile's
+    speed: float = 1.0  # this instance's speed: 3 = three times faster, 0.5 = twice as slow
+    time_factor: float = 1.0  # drift, changed at runtime: 2 = every step takes twice as long
+    knee: int = 0  # past this many running sequences ...
+    knee_ms: float = 0.0  # ... each one more adds this to every step (0 = no knee)
+    max_waiting: int = 1024  # the engine's waiting queue bound; beyond it 503
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fail_rate <= 1.0:
@@ -123,10 +143,21 @@ class MockBehavior(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "prefix_cache",
             "prefill_us_per_char",
             "prefix_block_chars",
+            "kv_tokens",
+            "max_num_batched_tokens",
+            "knee",
+            "knee_ms",
+            "max_waiting",
         )
         for name in nonneg:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.engine and self.engine not in PROFILES:
+            raise ValueError(f"engine must be one of {', '.join(PROFILES)} (or empty)")
+        if not (self.speed > 0.0 and self.time_factor > 0.0):
+            raise ValueError("speed and time_factor must be > 0")
+        if self.kv_tokens and self.kv_tokens < 16:
+            raise ValueError("kv_tokens must be 0 (the profile's) or >= 16")
         if self.default_tokens < 1 or self.max_tokens_cap < 1 or self.embedding_dim < 1:
             raise ValueError("default_tokens, max_tokens_cap and embedding_dim must be >= 1")
         if self.fail_after_chunks < 0 or self.log_size < 0:
@@ -308,6 +339,7 @@ class MockServer:
         self._seqs_size = 0
         self._running = 0
         self._prefixes: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._engine: Engine | None = None  # with `behavior.engine`, made on first use
 
     # ---- lifecycle and in-process control -------------------------------------------------
 
@@ -371,6 +403,9 @@ class MockServer:
         await self._runner.cleanup()
         self._runner = None
         self._site = None
+        if self._engine is not None:
+            await self._engine.close()
+            self._engine = None
 
     async def __aenter__(self) -> MockServer:
         await self.start()
@@ -405,7 +440,38 @@ class MockServer:
         while len(self._prefixes) > new.prefix_cache:
             self._prefixes.popitem(last=False)
         self.behavior = new
+        if self._engine is not None and new.engine:
+            self._engine.reconfigure(self._profile(new), **self._engine_knobs(new))
         return new
+
+    @staticmethod
+    def _profile(b: MockBehavior) -> Profile:
+        return profile_with(
+            b.engine,
+            max_num_seqs=b.max_num_seqs,
+            kv_tokens=b.kv_tokens,
+            max_num_batched_tokens=b.max_num_batched_tokens,
+        )
+
+    @staticmethod
+    def _engine_knobs(b: MockBehavior) -> dict[str, Any]:
+        return {
+            "speed": b.speed,
+            "time_factor": b.time_factor,
+            "knee": b.knee,
+            "knee_ms": b.knee_ms,
+            "max_waiting": b.max_waiting,
+        }
+
+    @property
+    def engine(self) -> Engine | None:
+        """The engine model (None until the first generation with `behavior.engine`)."""
+        return self._engine
+
+    def _engine_for(self, b: MockBehavior) -> Engine:
+        if self._engine is None:
+            self._engine = Engine(self._profile(b), seed=b.seed, **self._engine_knobs(b))
+        return self._engine
 
     def reset(self) -> None:
         """Clear stats and the request log; reseed so a seeded run repeats exactly."""
@@ -455,8 +521,11 @@ class MockServer:
                 return self._abort(call, web.Response())
             if gen:
                 assert kind is not None
-                async with self._seq_slot(b):
+                if b.engine:  # the engine queues and batches by itself
                     resp = await self._generate(request, call, kind, b)
+                else:
+                    async with self._seq_slot(b):
+                        resp = await self._generate(request, call, kind, b)
             else:
                 resp = self._simple(request, path, b)
         except asyncio.CancelledError:
@@ -564,10 +633,60 @@ class MockServer:
             cached += size
         return cached
 
+    def _note_waiting(self) -> None:
+        st, engine = self.stats, self._engine
+        if engine is not None:
+            st.waiting = len(engine.waiting)
+            st.peak_waiting = max(st.peak_waiting, st.waiting)
+
+    def _engine_metrics(self, engine: Engine, label: str) -> bytes:
+        """vLLM's names for the engine model's state (both KV-usage names: the gateway reads
+        either, SPEC §15) and its cache config (`num_gpu_blocks` × 16-token blocks)."""
+        usage = engine.usage()
+        rows = (
+            (
+                "num_requests_running",
+                "gauge",
+                "Requests in the running batch.",
+                len(engine.running),
+            ),
+            (
+                "num_requests_waiting",
+                "gauge",
+                "Requests waiting to be scheduled.",
+                len(engine.waiting),
+            ),
+            ("kv_cache_usage_perc", "gauge", "KV-cache usage; 1 means 100 percent.", usage),
+            ("gpu_cache_usage_perc", "gauge", "KV-cache usage (deprecated name).", usage),
+            ("num_preemptions_total", "counter", "Cumulative preemptions.", engine.preemptions),
+            (
+                "prefix_cache_queries_total",
+                "counter",
+                "Prefix-cache queried tokens.",
+                engine.prefix_queries,
+            ),
+            ("prefix_cache_hits_total", "counter", "Prefix-cache hit tokens.", engine.prefix_hits),
+        )
+        lines = []
+        for name, kind, help_text, value in rows:
+            lines += [
+                f"# HELP vllm:{name} {help_text}",
+                f"# TYPE vllm:{name} {kind}",
+                f"vllm:{name}{label} {float(value)}",
+            ]
+        lines += [
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig.",
+            "# TYPE vllm:cache_config_info gauge",
+            f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{engine.total_blocks}"}} 1.0',
+        ]
+        return ("\n".join(lines) + "\n").encode()
+
     def metrics_text(self) -> bytes:
         """vLLM-style Prometheus text: the gauges the gateway reads (SPEC §15) and counters."""
         b, st = self.behavior, self.stats
         label = "{model_name=" + orjson.dumps(b.model).decode() + "}"
+        if b.engine:
+            return self._engine_metrics(self._engine_for(b), label)
         usage = len(self._prefixes) / b.prefix_cache if b.prefix_cache else 0.0
         rows = (
             ("num_requests_running", "gauge", "Requests in the running batch.", self._running),
@@ -699,7 +818,7 @@ class MockServer:
             return self._err(404, f"The model `{model}` does not exist.")
         if fail is not None:
             self.stats.injected[fail] = self.stats.injected.get(fail, 0) + 1
-        if kind != "embed":
+        if kind != "embed" and not b.engine:
             latency_ms += self._prefill_ms(body, b)
         if latency_ms > 0.0:
             await asyncio.sleep(latency_ms / 1000.0)
@@ -727,17 +846,35 @@ class MockServer:
             # The text depends on the prompt alone: streamed or not, the same question gets
             # the same answer, and a shorter max_tokens gets a prefix of it.
             words = _token_ids(orjson.dumps(body[field]), n, b.seed)
-            if body.get("stream") is True:
-                opts = body.get("stream_options")
-                with_usage = isinstance(opts, dict) and opts.get("include_usage") is True
-                head = _chunk_head(rid, kind, model)
-                final = usage if with_usage else None
-                resp = await self._stream(request, call, kind, head, words, finish, final, b, fail)
-            else:
-                payload = _completion(rid, kind, model, words, finish, usage)
-                if b.tokens_per_s > 0.0:
-                    await asyncio.sleep((n - 1) / b.tokens_per_s)
-                resp = await self._send_json(request, call, payload, fail)
+            eseq: Sequence | None = None
+            if b.engine:
+                try:
+                    prompt = render_prefix(body, 1 << 30)
+                    eseq = self._engine_for(b).submit(prompt, prompt_tokens, n)
+                except EngineFull:
+                    return self._err(503, "mock engine: the waiting queue is full", "overloaded")
+                except ValueError as exc:
+                    return self._err(400, f"mock engine: {exc}", "context_length_exceeded")
+                self._note_waiting()
+            try:
+                if body.get("stream") is True:
+                    opts = body.get("stream_options")
+                    with_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+                    head = _chunk_head(rid, kind, model)
+                    final = usage if with_usage else None
+                    resp = await self._stream(
+                        request, call, kind, head, words, finish, final, b, fail, eseq
+                    )
+                else:
+                    payload = _completion(rid, kind, model, words, finish, usage)
+                    if eseq is not None:
+                        await _tokens(eseq, n)
+                    elif b.tokens_per_s > 0.0:
+                        await asyncio.sleep((n - 1) / b.tokens_per_s)
+                    resp = await self._send_json(request, call, payload, fail)
+            finally:
+                if eseq is not None and self._engine is not None:
+                    self._engine.abandon(eseq)  # a no-op once it finished
         if fail is None:
             self.stats.prompt_tokens += prompt_tokens
             self.stats.completion_tokens += n
@@ -779,8 +916,11 @@ class MockServer:
         usage: dict[str, int] | None,
         b: MockBehavior,
         fail: str | None,
+        seq: Sequence | None = None,
     ) -> web.StreamResponse:
-        """SSE: one event per token, each written (flushed) on its own, paced at tokens_per_s."""
+        """SSE: one event per token, each written (flushed) on its own, paced at tokens_per_s
+        or, with an engine sequence, as the engine produces them (the role chunk goes with
+        the first token, after the prefill, as vLLM sends it)."""
         chat = kind == "chat"
         lines = [head + _CHAT_ROLE] if chat else []
         first = len(lines)
@@ -795,14 +935,16 @@ class MockServer:
             lines.append(head + b'],"usage":' + orjson.dumps(usage) + b"}")
         resp = web.StreamResponse(headers=_SSE_HEADERS)
         await resp.prepare(request)
-        interval = 1.0 / b.tokens_per_s if b.tokens_per_s > 0.0 else 0.0
+        interval = 1.0 / b.tokens_per_s if b.tokens_per_s > 0.0 and seq is None else 0.0
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         broken = fail in ("stall", "cut", "malformed")
         for i, line in enumerate(lines):
             if broken and i == b.fail_after_chunks:
                 break
-            if interval and first < i < last:
+            if seq is not None:
+                await _tokens(seq, min(max(i - first + 1, 1), len(words)))
+            elif interval and first < i < last:
                 # Absolute deadlines, so the pace does not drift with write and wake-up costs.
                 delay = t0 + (i - first) * interval - loop.time()
                 if delay > 0.0:
@@ -894,6 +1036,16 @@ class MockServer:
         await self.set_down(True)
         await asyncio.sleep(seconds)
         await self.set_down(False)
+
+
+async def _tokens(seq: Sequence, n: int) -> None:
+    """Waits until the engine produced `n` tokens of `seq` (raises ConnectionResetError if the
+    engine stopped first: the server is going away)."""
+    while seq.produced < n:
+        if seq.finished:
+            raise ConnectionResetError("the mock engine stopped")
+        seq.changed.clear()
+        await seq.changed.wait()
 
 
 async def _forever() -> None:
@@ -996,6 +1148,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefill time per uncached prompt character, in microseconds "
         "(e.g. 40: a 2500-character miss costs 100 ms before the first token)",
     )
+    e = parser.add_argument_group(
+        "engine model",
+        "a continuous-batching engine (vLLM V1-like step loop: decodes first, prefill chunks, "
+        "KV blocks, preemption, prefix cache); --latency-ms, --tokens-per-s and the prefix "
+        "flags do not apply to it, --max-num-seqs overrides the profile's",
+    )
+    e.add_argument(
+        "--engine",
+        choices=ENGINE_PROFILES,
+        default=None,
+        help="run generations through the engine model with this profile's constants",
+    )
+    e.add_argument("--kv-tokens", type=int, default=0, help="KV cache size in tokens (0: profile)")
+    e.add_argument(
+        "--max-num-batched-tokens", type=int, default=0, help="tokens per step (0: profile)"
+    )
+    e.add_argument(
+        "--speed",
+        type=float,
+        default=d.speed,
+        help="this instance's speed: 3 = three times faster, 0.5 = twice as slow "
+        "(default %(default)s)",
+    )
+    e.add_argument(
+        "--time-factor",
+        type=float,
+        default=d.time_factor,
+        help="multiplies every step's time (drift; POST /mock/config changes it at runtime)",
+    )
+    e.add_argument(
+        "--knee",
+        type=int,
+        default=d.knee,
+        metavar="N",
+        help="past N running sequences each one more adds --knee-ms to every step",
+    )
+    e.add_argument("--knee-ms", type=float, default=d.knee_ms, help="see --knee")
+    e.add_argument(
+        "--max-waiting",
+        type=int,
+        default=d.max_waiting,
+        help="the engine's waiting-queue bound; beyond it 503 (default %(default)s)",
+    )
     a("--seed", type=int, default=None, help="seed for failure/latency draws and text")
 
 
@@ -1017,6 +1212,14 @@ def behavior_from_args(args: argparse.Namespace) -> MockBehavior:
         prefix_cache=args.prefix_cache,
         prefix_chars=args.prefix_chars,
         prefill_us_per_char=args.prefill_us_per_char,
+        engine=args.engine or "",
+        kv_tokens=args.kv_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        speed=args.speed,
+        time_factor=args.time_factor,
+        knee=args.knee,
+        knee_ms=args.knee_ms,
+        max_waiting=args.max_waiting,
         seed=args.seed,
     )
 

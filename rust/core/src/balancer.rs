@@ -22,6 +22,12 @@
 //!   Kept for comparison in benchmarks; with a handful of instances a full scan is as cheap.
 //! - `affinity`: consistent hashing with bounded loads on the request's key (see
 //!   `affinity.rs`, placed by the pool); a request without a key goes as `least_connections`.
+//! - `predicted` (SPEC §17): the lowest predicted latency (`pick_scored`, scores from each
+//!   instance's latency model, see `latency.rs` and the pool); while some candidate's model is
+//!   not calibrated, `least_connections`. That is the exploration too: an instance that got
+//!   no traffic for minutes loses its calibration (its samples decay), the pool balances by
+//!   least connections until it has enough fresh samples (about 20), then predicts again — a
+//!   starved instance cannot stay starved on a stale model, and no random draw is needed.
 
 use std::cmp::Ordering;
 
@@ -85,8 +91,9 @@ impl Balancer {
         }
         let rotated = |cursor: usize| (0..n).map(move |k| (cursor + k) % n);
         let chosen = match self.kind {
-            // `Affinity` comes here only for requests without a key.
-            BalancerKind::LeastConnections | BalancerKind::Affinity => {
+            // `Affinity` comes here only for requests without a key; `Predicted` only while no
+            // model is calibrated.
+            BalancerKind::LeastConnections | BalancerKind::Affinity | BalancerKind::Predicted => {
                 let mut best: Option<(usize, Load)> = None;
                 for i in rotated(self.cursor).filter(|&i| candidate(i)) {
                     let l = load(i);
@@ -123,6 +130,57 @@ impl Balancer {
                     }
                 }
             }
+        };
+        if let Some(i) = chosen {
+            self.cursor = (i + 1) % n;
+        }
+        chosen
+    }
+}
+
+impl Balancer {
+    /// SPEC §17: the candidate with the lowest `score` (ties: the first after the cursor); if
+    /// some candidate has no score (its model is not calibrated), least connections among all.
+    /// (Why not llm-d's 1 % random exploration of the others: an instance left out of the
+    /// warm-up while another calibrated first would get 1 % of the traffic for minutes.)
+    pub fn pick_scored(
+        &mut self,
+        n: usize,
+        candidate: impl Fn(usize) -> bool,
+        score: impl Fn(usize) -> Option<f64>,
+        load: impl Fn(usize) -> Load,
+    ) -> Option<usize> {
+        if n == 0 {
+            return None;
+        }
+        let mut best: Option<(usize, f64)> = None;
+        let mut least: Option<(usize, Load)> = None;
+        let mut unknown = false;
+        for k in 0..n {
+            let i = (self.cursor + k) % n;
+            if !candidate(i) {
+                continue;
+            }
+            let l = load(i);
+            if least.is_none_or(|(_, b)| l < b) {
+                least = Some((i, l));
+            }
+            if unknown {
+                continue;
+            }
+            match score(i) {
+                Some(s) => {
+                    if best.is_none_or(|(_, b)| s < b) {
+                        best = Some((i, s));
+                    }
+                }
+                None => unknown = true,
+            }
+        }
+        let chosen = if unknown {
+            least.map(|(i, _)| i)
+        } else {
+            best.map(|(i, _)| i)
         };
         if let Some(i) = chosen {
             self.cursor = (i + 1) % n;
@@ -194,6 +252,7 @@ mod tests {
             BalancerKind::Random,
             BalancerKind::P2c,
             BalancerKind::Affinity,
+            BalancerKind::Predicted,
         ] {
             let mut b = Balancer::new(kind, 7);
             let v = [(0, 1), (5, 9), (0, 1), (1, 2)];
@@ -203,5 +262,20 @@ mod tests {
             }
             assert_eq!(b.pick(4, |_| false, loads(&v)), None);
         }
+    }
+
+    #[test]
+    fn scored_picks_the_lowest_unless_a_candidate_is_unknown() {
+        let mut b = Balancer::new(BalancerKind::Predicted, 7);
+        let v = [(3, 4), (2, 4), (1, 4)];
+        let known = |i: usize| [Some(50.0), Some(5.0), Some(9.0)][i];
+        for _ in 0..5 {
+            assert_eq!(b.pick_scored(3, |_| true, known, loads(&v)), Some(1));
+        }
+        // instance 2 is not calibrated: least connections over all, until it is
+        let partly = |i: usize| [Some(50.0), Some(5.0), None][i];
+        assert_eq!(b.pick_scored(3, |_| true, partly, loads(&v)), Some(2));
+        // ... but only among candidates
+        assert_eq!(b.pick_scored(3, |i| i != 2, partly, loads(&v)), Some(1));
     }
 }

@@ -5,14 +5,16 @@
 //!
 //! Pure Rust: no Python, no I/O, no clock and no global randomness. Time comes in as an
 //! argument in milliseconds; randomness from a seeded generator. The rules implemented are
-//! those of SPEC §3, §5, §6 and §15; each is quoted beside the line that implements it.
+//! those of SPEC §3, §5, §6, §15 and §17; each is quoted beside the line that implements it.
 #![forbid(unsafe_code)]
 
+pub mod adaptive;
 pub mod affinity;
 pub mod balancer;
 pub mod cells;
 pub mod error;
 pub mod health;
+pub mod latency;
 pub mod matcher;
 pub mod pool;
 pub mod prefix;
@@ -29,7 +31,8 @@ pub use error::CoreError;
 pub use health::{Breaker, HealthConfig};
 pub use matcher::KeywordSet;
 pub use pool::{
-    Admit, Event, EventKind, Instance, InstanceExtra, Pool, PoolConfig, PoolStats, MAX_INSTANCES,
+    Admit, Event, EventKind, Instance, InstanceExtra, InstanceModel, ModelView, Pool, PoolConfig,
+    PoolStats, Request, MAX_INSTANCES,
 };
 pub use selector::{Choice, Selector, SelectorConfig};
 pub use types::{

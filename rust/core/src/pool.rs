@@ -3,8 +3,14 @@
 //! next and where is made here; the caller only reports events (arrival, cancellation, an
 //! attempt's end, a probe, the passing of time) and delivers what comes back.
 //!
+//! SPEC §17: each instance carries a latency model (`latency.rs`) that learns from the
+//! attempts it completes (`first_token`, `release_with`), an optional adaptive limit
+//! (`adaptive.rs`) that is then its cap, and `balancer: predicted` places by the models;
+//! waiting requests are ordered by deadline within their tenant (`queue.rs`).
+//!
 //! Invariants (checked by the property tests):
-//! - an instance never has more than `max_concurrency` attempts in flight;
+//! - an instance never has more than `max_concurrency` attempts in flight, nor more than its
+//!   adaptive limit at a grant;
 //! - every accepted ticket is granted, expired, evicted or cancelled exactly once, and a
 //!   granted ticket is released exactly once;
 //! - after each operation no waiting request fits a free, admitting instance (work
@@ -14,10 +20,12 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{fence, Ordering::SeqCst};
 
+use crate::adaptive::Gradient;
 use crate::affinity::{self, HashRing};
 use crate::balancer::{Balancer, Load};
 use crate::error::CoreError;
 use crate::health::{Breaker, HealthConfig};
+use crate::latency::{Features, LatencyModel};
 use crate::prefix::{self, PrefixIndex};
 use crate::queue::{ClassQueue, Entry};
 use crate::selector::{Choice, Selector, SelectorConfig};
@@ -134,7 +142,76 @@ enum TicketState {
         instance: u32,
         epoch: u32,
         trial: bool,
+        /// What the latency model learns from this attempt (SPEC §17).
+        sample: Sample,
     },
+}
+
+/// An attempt as the latency model sees it: when it was granted, when its first token came
+/// (0: not yet), and the instance's state at the grant (its features).
+#[derive(Clone, Copy, Debug, Default)]
+struct Sample {
+    at: Millis,
+    first: Millis,
+    prompt: u32,
+    /// Its prompt tokens the instance was not known to hold (SPEC §15 blocks matched there).
+    uncached: u32,
+    awaiting: u32,
+    running: u32,
+    context: u32,
+    waiting: u32,
+    cache_permille: u16,
+}
+
+impl Sample {
+    fn features(&self) -> Features {
+        Features {
+            prompt: f64::from(self.uncached),
+            awaiting: f64::from(self.awaiting),
+            running: f64::from(self.running),
+            context: f64::from(self.context),
+            waiting: f64::from(self.waiting),
+            cache: f64::from(self.cache_permille) / 1000.0,
+        }
+    }
+}
+
+/// A request as `submit` takes it: who sent it, where it may go, and what it is owed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Request {
+    pub tenant: Tenant,
+    /// Instances already tried (a bit set).
+    pub excluded: u64,
+    /// SPEC §15: its session key, 0 for none.
+    pub affinity_key: u64,
+    /// SPEC §17: arrival + its TTFT objective (the caller's clock); 0: no objective.
+    pub deadline: Millis,
+    /// The gateway's estimate of its prompt tokens (a feature of the latency model).
+    pub prompt_tokens: u32,
+}
+
+/// What a placement decision knows of the request it places.
+#[derive(Clone, Copy, Debug, Default)]
+struct Want {
+    /// Its objective's deadline, 0 for none.
+    deadline: Millis,
+    prompt: u32,
+    /// How many prompt blocks it carries (SPEC §15; 0: none): with the blocks an instance
+    /// holds, the share of the prompt it need not prefill.
+    blocks: u32,
+}
+
+impl Want {
+    /// Its prompt tokens an instance holding `matched` of its leading blocks must prefill.
+    #[inline]
+    fn uncached(&self, matched: u32) -> u32 {
+        if self.blocks == 0 || matched == 0 {
+            return self.prompt;
+        }
+        let held =
+            u64::from(self.prompt) * u64::from(matched.min(self.blocks)) / u64::from(self.blocks);
+        self.prompt - held as u32
+    }
 }
 
 /// Tickets are unique increasing integers: a multiplicative hash spreads them cheaply.
@@ -161,6 +238,8 @@ type TicketMap = HashMap<Ticket, TicketState, BuildHasherDefault<TicketHasher>>;
 #[derive(Clone, Debug)]
 pub struct Instance {
     pub max_concurrency: u32,
+    /// The effective cap: `max_concurrency`, or below it the adaptive limit (SPEC §17).
+    pub limit: u32,
     pub in_flight: u32,
     /// SPEC §12: attempts other workers have on it (0 when one process owns the pool).
     pub peer_in_flight: u32,
@@ -188,7 +267,7 @@ impl Instance {
     fn load(&self) -> Load {
         Load {
             active: self.in_flight.saturating_add(self.peer_in_flight),
-            capacity: self.max_concurrency,
+            capacity: self.limit,
             cache_permille: 0,
         }
     }
@@ -200,7 +279,7 @@ impl Instance {
                 .in_flight
                 .saturating_add(self.peer_in_flight)
                 .saturating_add(extra.backend_waiting),
-            capacity: self.max_concurrency,
+            capacity: self.limit,
             cache_permille: extra.cache_permille,
         }
     }
@@ -214,8 +293,65 @@ impl Instance {
 
     /// Whether another attempt fits under its cap (every worker's attempts counted).
     fn has_room(&self) -> bool {
-        self.in_flight.saturating_add(self.peer_in_flight) < self.max_concurrency
+        self.in_flight.saturating_add(self.peer_in_flight) < self.limit
     }
+}
+
+/// SPEC §17: what the core learns of one instance's latency, and its adaptive limit.
+#[derive(Clone, Debug, Default)]
+pub struct InstanceModel {
+    pub latency: LatencyModel,
+    /// Prompt tokens of its attempts still awaiting a first token (streams until the first
+    /// token, others until they end).
+    awaiting: u32,
+    /// Prompt tokens of its attempts in flight.
+    context: u32,
+    /// With `adaptive`, the gradient controller whose limit is the instance's cap.
+    adaptive: Option<Gradient>,
+}
+
+impl InstanceModel {
+    /// The features of a request of `prompt` tokens (`uncached` of them not held there) sent
+    /// to `inst` now.
+    fn features(
+        &self,
+        inst: &Instance,
+        extra: &InstanceExtra,
+        prompt: u32,
+        uncached: u32,
+    ) -> Features {
+        Features {
+            prompt: f64::from(uncached),
+            awaiting: f64::from(self.awaiting),
+            running: f64::from(inst.in_flight.saturating_add(inst.peer_in_flight)) + 1.0,
+            context: f64::from(self.context) + f64::from(prompt),
+            waiting: f64::from(extra.backend_waiting),
+            cache: f64::from(extra.cache_permille) / 1000.0,
+        }
+    }
+
+    pub fn adaptive(&self) -> bool {
+        self.adaptive.is_some()
+    }
+}
+
+/// How an instance's model is doing, for `/admin/state` and `/metrics` (SPEC §17).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ModelView {
+    /// p90 TTFT and TPOT (ms) of a typical request sent there now.
+    pub ttft_ms: f64,
+    pub tpot_ms: f64,
+    pub ttft_mae_ms: f64,
+    pub tpot_mae_ms: f64,
+    /// The share of TTFT samples within their p90 band.
+    pub ttft_coverage: f64,
+    pub tpot_coverage: f64,
+    /// Effective (decayed) sample counts.
+    pub ttft_samples: f64,
+    pub tpot_samples: f64,
+    pub calibrated: bool,
+    /// The adaptive controller's base TPOT (ms), once measured.
+    pub adaptive_base_ms: Option<f64>,
 }
 
 /// Grants per second over a sliding window of one-second buckets, for `Retry-After`.
@@ -273,6 +409,14 @@ pub struct PoolStats {
 
 pub struct Pool {
     cfg: PoolConfig,
+    /// `models[i]` belongs to `instances[i]` (SPEC §17).
+    models: Vec<InstanceModel>,
+    /// Moving averages of the prompt and output tokens of the requests seen (a "typical
+    /// request", and the output length the `predicted` balancer weighs TPOT by).
+    typical_prompt: f64,
+    typical_output: f64,
+    /// The latest `fastest_ttft` and when it was computed (once per millisecond at most).
+    fastest: (Millis, f64),
     queues: [ClassQueue; 2],
     selector: Selector,
     balancer: Balancer,
@@ -315,6 +459,10 @@ impl Pool {
             ],
             selector: Selector::new(),
             balancer: Balancer::new(cfg.balancer, seed),
+            models: Vec::new(),
+            typical_prompt: 0.0,
+            typical_output: 0.0,
+            fastest: (Millis::MAX, 0.0),
             instances: Vec::new(),
             extras: Vec::new(),
             backend_loaded: false,
@@ -343,6 +491,9 @@ impl Pool {
         cfg.validate()?;
         self.queues[0].capacity = cfg.high_capacity;
         self.queues[1].capacity = cfg.low_capacity;
+        // SPEC §17: entries without an objective are ordered by arrival + max_wait_ms.
+        self.queues[0].rekey_fifo(self.cfg.high_max_wait_ms, cfg.high_max_wait_ms);
+        self.queues[1].rekey_fifo(self.cfg.low_max_wait_ms, cfg.low_max_wait_ms);
         if cfg.selector != self.cfg.selector {
             self.selector.reset_credit();
             if let Some(shared) = &self.shared {
@@ -377,6 +528,17 @@ impl Pool {
         max_concurrency: u32,
         ring_id: Option<u64>,
     ) -> Result<usize, CoreError> {
+        self.add_instance_full(max_concurrency, ring_id, false)
+    }
+
+    /// `add_instance_with_id`; with `adaptive` its cap is a gradient controller's limit, at
+    /// most `max_concurrency` (SPEC §17 "Adaptive concurrency").
+    pub fn add_instance_full(
+        &mut self,
+        max_concurrency: u32,
+        ring_id: Option<u64>,
+        adaptive: bool,
+    ) -> Result<usize, CoreError> {
         if max_concurrency == 0 {
             return Err(CoreError::InvalidConfig(
                 "max_concurrency must be at least 1".into(),
@@ -392,8 +554,16 @@ impl Pool {
             )));
         }
         let idx = reused.unwrap_or(self.instances.len());
+        let model = InstanceModel {
+            adaptive: adaptive.then(|| Gradient::new(max_concurrency, 0)),
+            ..InstanceModel::default()
+        };
         let fresh = Instance {
             max_concurrency,
+            limit: model
+                .adaptive
+                .as_ref()
+                .map_or(max_concurrency, |g| g.limit(max_concurrency)),
             in_flight: 0,
             peer_in_flight: 0,
             breaker: Breaker::new(),
@@ -411,9 +581,11 @@ impl Pool {
         if idx < self.instances.len() {
             self.instances[idx] = fresh;
             self.extras[idx] = extra;
+            self.models[idx] = model;
         } else {
             self.instances.push(fresh);
             self.extras.push(extra);
+            self.models.push(model);
         }
         self.invalidate();
         self.ring = None;
@@ -464,8 +636,41 @@ impl Pool {
                 "max_concurrency must be at least 1".into(),
             ));
         }
-        self.instance_mut(idx)?.max_concurrency = n;
+        let limit = self
+            .models
+            .get(idx)
+            .and_then(|m| m.adaptive.as_ref())
+            .map_or(n, |g| g.limit(n));
+        let inst = self.instance_mut(idx)?;
+        inst.max_concurrency = n;
+        inst.limit = limit;
         Ok(())
+    }
+
+    /// SPEC §17: turns instance `idx`'s adaptive limit on (starting low, see `adaptive.rs`)
+    /// or off (its cap is `max_concurrency` again). Call `tick` after.
+    pub fn set_adaptive(
+        &mut self,
+        idx: usize,
+        adaptive: bool,
+        now: Millis,
+    ) -> Result<(), CoreError> {
+        let max = self.instance_mut(idx)?.max_concurrency;
+        let model = &mut self.models[idx];
+        if adaptive == model.adaptive.is_some() {
+            return Ok(());
+        }
+        model.adaptive = adaptive.then(|| Gradient::new(max, now));
+        self.instances[idx].limit = model.adaptive.as_ref().map_or(max, |g| g.limit(max));
+        if let (Some(shared), false) = (self.shared.as_ref(), adaptive) {
+            shared.clear_limit(idx); // SPEC §12: off for every worker
+        }
+        Ok(())
+    }
+
+    /// The instance's latency model (SPEC §17).
+    pub fn model(&self, idx: usize) -> Result<&InstanceModel, CoreError> {
+        self.models.get(idx).ok_or(CoreError::UnknownInstance(idx))
     }
 
     /// Stops giving an instance new attempts; those in flight finish and release as usual.
@@ -517,32 +722,72 @@ impl Pool {
         blocks: &[u64],
         now: Millis,
     ) -> Result<Admit, CoreError> {
+        let (tenant, excluded, affinity_key) = extra;
+        let req = Request {
+            tenant,
+            excluded,
+            affinity_key,
+            ..Request::default()
+        };
+        self.submit_request(ticket, priority, req, blocks, now)
+    }
+
+    /// `submit` with everything a request carries: SPEC §17's deadline (arrival + TTFT
+    /// objective; 0: none, then arrival + the class's `max_wait_ms`, i.e. FIFO) orders it
+    /// within its tenant's queue and places it in a `predicted` pool; its prompt tokens are a
+    /// feature of the latency model. A retry passes its original deadline and keeps its place.
+    pub fn submit_request(
+        &mut self,
+        ticket: Ticket,
+        priority: Priority,
+        req: Request,
+        blocks: &[u64],
+        now: Millis,
+    ) -> Result<Admit, CoreError> {
         if self.tickets.contains_key(&ticket) {
             return Err(CoreError::DuplicateTicket(ticket));
         }
-        // Blocks matter to an affinity pool only: elsewhere the hot path is unchanged.
-        let blocks = if self.balancer.kind == BalancerKind::Affinity {
+        // Blocks matter to an affinity (or predicted, SPEC §17: "prefix affinity still wins")
+        // pool only: elsewhere the hot path is unchanged.
+        let blocks = if matches!(
+            self.balancer.kind,
+            BalancerKind::Affinity | BalancerKind::Predicted
+        ) {
             blocks
         } else {
             &[]
         };
+        if req.prompt_tokens > 0 {
+            self.typical_prompt += 0.02 * (f64::from(req.prompt_tokens) - self.typical_prompt);
+        }
         // SPEC §12: a worker first reads the others' state, and after, shows its own.
         self.sync(now);
-        let admit = self.admit(ticket, priority, extra, blocks, now);
+        let admit = self.admit(ticket, priority, req, blocks, now);
         self.publish(now, false);
         admit
     }
 
-    /// `submit` after the duplicate check; `extra` is (tenant, excluded, affinity key).
+    /// `submit` after the duplicate check.
     fn admit(
         &mut self,
         ticket: Ticket,
         priority: Priority,
-        extra: (Tenant, u64, u64),
+        req: Request,
         blocks: &[u64],
         now: Millis,
     ) -> Result<Admit, CoreError> {
-        let (tenant, excluded, affinity_key) = extra;
+        let Request {
+            tenant,
+            excluded,
+            affinity_key,
+            deadline,
+            prompt_tokens,
+        } = req;
+        let want = Want {
+            deadline,
+            prompt: prompt_tokens,
+            blocks: blocks.len() as u32,
+        };
         self.advance(now);
         // SPEC §6: nothing this request may use is up — answer now (fallback or 503).
         if !self.any_available(excluded) {
@@ -554,11 +799,18 @@ impl Pool {
         // SPEC §12: "nothing of that pool is waiting" in any worker.
         if self.waiting() == 0 && self.peers_waiting() == (0, 0) {
             if let Some((inst, placed, matched)) =
-                self.pick_instance(excluded, affinity_key, blocks, now)
+                self.pick_instance(excluded, affinity_key, blocks, want, now)
             {
                 let choice = Choice::Alone(priority);
                 self.commit_choice(choice, priority, false, now);
-                self.grant(ticket, (priority, tenant), inst, placed, now);
+                self.grant(
+                    ticket,
+                    (priority, tenant),
+                    inst,
+                    (placed, matched),
+                    want,
+                    now,
+                );
                 self.last_matched = matched;
                 if !blocks.is_empty() {
                     // SPEC §15: "remembers, per instance ..., which blocks it sent there".
@@ -581,8 +833,18 @@ impl Pool {
                 retry_after_ms: self.retry_after_ms(priority, now),
             });
         };
-        self.queues[class.index()]
-            .push(Entry::new(ticket, tenant, now, excluded).with_affinity_key(affinity_key));
+        // SPEC §17 "Ordering": the deadline, or without an objective arrival + max_wait_ms.
+        let (key, objective) = if deadline > 0 {
+            (deadline, true)
+        } else {
+            (now.saturating_add(self.max_wait(class)), false)
+        };
+        self.queues[class.index()].push(
+            Entry::new(ticket, tenant, now, excluded)
+                .with_affinity_key(affinity_key)
+                .with_deadline(key, objective)
+                .with_prompt_tokens(prompt_tokens),
+        );
         self.tickets
             .insert(ticket, TicketState::Waiting(class, tenant));
         if !blocks.is_empty() {
@@ -678,15 +940,54 @@ impl Pool {
         retry_after_ms: Millis,
         now: Millis,
     ) -> Result<Vec<Event>, CoreError> {
+        self.release_with(ticket, outcome, retry_after_ms, 0, now)
+    }
+
+    /// SPEC §17: the first content token of granted attempt `ticket` reached the gateway (a
+    /// stream): its TTFT (now − grant) trains its instance's model. No-op for an unknown
+    /// ticket or a second call.
+    pub fn first_token(&mut self, ticket: Ticket, now: Millis) {
+        let Some(TicketState::Granted {
+            instance, sample, ..
+        }) = self.tickets.get_mut(&ticket)
+        else {
+            return;
+        };
+        if sample.first != 0 {
+            return;
+        }
+        sample.first = now.max(1);
+        let (k, s) = (*instance as usize, *sample);
+        let model = &mut self.models[k];
+        model.awaiting = model.awaiting.saturating_sub(s.uncached);
+        model
+            .latency
+            .observe_ttft(&s.features(), now.saturating_sub(s.at) as f64, now);
+    }
+
+    /// `release`, with the attempt's output tokens (0: unknown): on success the instance's TPOT
+    /// model learns from it — a stream's (end − first token) / (tokens − 1); a non-streamed
+    /// answer has no first token, so its TPOT is (duration − predicted TTFT) / (tokens − 1) and
+    /// its TTFT is not learned (the design's "TTFB is not TTFT" pitfall).
+    pub fn release_with(
+        &mut self,
+        ticket: Ticket,
+        outcome: Outcome,
+        retry_after_ms: Millis,
+        output_tokens: u32,
+        now: Millis,
+    ) -> Result<Vec<Event>, CoreError> {
         let Some(TicketState::Granted {
             instance,
             epoch,
             trial,
+            sample,
         }) = self.tickets.get(&ticket).copied()
         else {
             return Err(CoreError::UnknownTicket(ticket));
         };
         self.tickets.remove(&ticket);
+        self.learn(instance as usize, &sample, outcome, output_tokens, now);
         if let Some(shared) = self.shared.as_mut() {
             shared.give(instance as usize, trial);
             fence(SeqCst); // the other half of `submit`'s fence: then read who waits
@@ -729,6 +1030,85 @@ impl Pool {
         Ok(self.take_events())
     }
 
+    /// What an ended attempt teaches the model of its instance (and its adaptive limit).
+    fn learn(&mut self, k: usize, s: &Sample, outcome: Outcome, output_tokens: u32, now: Millis) {
+        let model = &mut self.models[k];
+        // The instance's load now (this attempt still counted), for the TPOT sample below.
+        let inst = &self.instances[k];
+        let running_now = f64::from(inst.in_flight.saturating_add(inst.peer_in_flight));
+        let context_now = f64::from(model.context);
+        if s.first == 0 {
+            model.awaiting = model.awaiting.saturating_sub(s.uncached);
+        }
+        model.context = model.context.saturating_sub(s.prompt);
+        if outcome != Outcome::Success || output_tokens == 0 {
+            return;
+        }
+        self.typical_output += 0.02 * (f64::from(output_tokens) - self.typical_output);
+        if output_tokens < 2 {
+            return;
+        }
+        let at_grant = s.features();
+        // TPOT is paid over the whole decode, under the load of all of it: the sample's load is
+        // the mean of the load at the grant and at the end (at the grant alone under-covered
+        // on the engine mock while load rose: p90 coverage 0.69-0.85).
+        let f = Features {
+            running: (at_grant.running + running_now) / 2.0,
+            context: (at_grant.context + context_now) / 2.0,
+            ..at_grant
+        };
+        let per_token = if s.first != 0 {
+            now.saturating_sub(s.first) as f64
+        } else {
+            let ttft = if model.latency.ttft.samples() > 0 {
+                model.latency.mean(&at_grant).0
+            } else {
+                0.0
+            };
+            (now.saturating_sub(s.at) as f64 - ttft).max(0.0)
+        } / f64::from(output_tokens - 1);
+        model.latency.observe_tpot(&f, per_token, now);
+        if let Some(g) = model.adaptive.as_mut() {
+            g.on_sample(per_token);
+        }
+        self.adapt(k, now);
+    }
+
+    /// SPEC §17: judges instance `k`'s adaptive window, if complete; its cap follows. With
+    /// workers (SPEC §12) the limit is one shared word of the instance's region slot: a worker
+    /// adopts the latest judgement, and judges only when none was made in the last window (the
+    /// first worker with a full window does, by CAS), so the cap is one value and it moves once
+    /// per window, whichever worker's completions filled it.
+    fn adapt(&mut self, k: usize, now: Millis) {
+        let inst = &mut self.instances[k];
+        let Some(g) = self.models[k].adaptive.as_mut() else {
+            return;
+        };
+        let max = inst.max_concurrency;
+        match self.shared.as_ref() {
+            None => {
+                g.update(max, now);
+            }
+            Some(shared) => {
+                let (seen, current) = shared.limit(k);
+                if let Some((limit, at)) = current {
+                    g.adopt(limit, at, now);
+                    if now < at.saturating_add(crate::adaptive::WINDOW_MS) {
+                        inst.limit = g.limit(max);
+                        return;
+                    }
+                }
+                if g.update(max, now) && !shared.judge_limit(k, seen, Some((g.raw(), now))) {
+                    // Another worker judged first: its limit holds.
+                    if let (_, Some((limit, at))) = shared.limit(k) {
+                        g.adopt(limit, at, now);
+                    }
+                }
+            }
+        }
+        inst.limit = g.limit(max);
+    }
+
     /// An active probe of instance `idx` finished.
     pub fn record_probe(
         &mut self,
@@ -763,6 +1143,10 @@ impl Pool {
     /// Call at `next_wakeup`, and after reconfiguring.
     pub fn tick(&mut self, now: Millis) -> Vec<Event> {
         self.sync(now);
+        for k in 0..self.instances.len() {
+            self.models[k].latency.refresh(now);
+            self.adapt(k, now);
+        }
         self.advance(now);
         self.pump(now);
         self.publish(now, true);
@@ -827,6 +1211,7 @@ impl Pool {
         self.advance(now);
         self.expire(now);
         self.evict_unservable(now);
+        self.rekey_hopeless(now);
         while self.waiting() > 0 {
             let tickets = &self.tickets;
             let low_live = |t| is_waiting(tickets, t, Priority::Low);
@@ -860,7 +1245,19 @@ impl Pool {
                 self.stats.forced_low += 1;
             }
             self.tickets.remove(&entry.ticket);
-            self.grant(entry.ticket, (class, entry.tenant), inst, placed, now);
+            let want = Want {
+                deadline: if entry.objective { entry.deadline } else { 0 },
+                prompt: entry.prompt_tokens,
+                blocks: if self.pending_blocks.is_empty() {
+                    0
+                } else {
+                    self.pending_blocks
+                        .get(&entry.ticket)
+                        .map_or(0, |b| b.len() as u32)
+                },
+            };
+            let (ticket, who) = (entry.ticket, (class, entry.tenant));
+            self.grant(ticket, who, inst, (placed, matched), want, now);
             if !self.pending_blocks.is_empty() {
                 if let Some(blocks) = self.pending_blocks.remove(&entry.ticket) {
                     self.prefixes.record(inst, &blocks);
@@ -873,6 +1270,52 @@ impl Pool {
                 matched_blocks: matched,
             });
         }
+    }
+
+    /// SPEC §17: heads whose objective no instance can meet any more go back to FIFO (see
+    /// `queue.rs`): their deadline is before now + the fastest p90 TTFT predicted for them
+    /// (now alone while no model is calibrated).
+    fn rekey_hopeless(&mut self, now: Millis) {
+        let fastest = match self.fastest {
+            (at, ms) if at == now => ms,
+            _ => {
+                let ms = self
+                    .fastest_ttft(self.typical_prompt as u32, now)
+                    .unwrap_or(0.0);
+                self.fastest = (now, ms);
+                ms
+            }
+        };
+        let horizon = now.saturating_add(fastest as Millis);
+        for class in [Priority::High, Priority::Low] {
+            let max_wait = self.max_wait(class);
+            let tickets = &self.tickets;
+            self.queues[class.index()].rekey_hopeless(
+                &|t| is_waiting(tickets, t, class),
+                horizon,
+                max_wait,
+                16,
+            );
+        }
+    }
+
+    /// The lowest p90 TTFT (ms) a request of `prompt` tokens is predicted on any instance that
+    /// is up, were it sent now; `None` while some instance's model is not calibrated.
+    fn fastest_ttft(&self, prompt: u32, now: Millis) -> Option<f64> {
+        let mut best: Option<f64> = None;
+        for (k, inst) in self.instances.iter().enumerate() {
+            if inst.removed || !inst.breaker.available() {
+                continue;
+            }
+            let m = &self.models[k];
+            if !m.latency.ttft_calibrated(now) {
+                return None;
+            }
+            let f = m.features(inst, &self.extras[k], prompt, prompt);
+            let p = m.latency.predict(&f).0;
+            best = Some(best.map_or(p, |b: f64| b.min(p)));
+        }
+        best
     }
 
     fn pop_fitting(
@@ -895,6 +1338,8 @@ impl Pool {
             shared,
             prefixes,
             pending_blocks,
+            models,
+            typical_output,
             ..
         } = self;
         let live = |t| is_waiting(tickets, t, class);
@@ -902,6 +1347,8 @@ impl Pool {
             instances,
             extras,
             backend_loaded: *backend_loaded,
+            models,
+            typical_output: *typical_output,
         };
         let shared = shared.as_ref();
         queues[class.index()]
@@ -911,6 +1358,11 @@ impl Pool {
                 } else {
                     pending_blocks.get(&e.ticket).map_or(&[][..], |b| &b[..])
                 };
+                let want = Want {
+                    deadline: if e.objective { e.deadline } else { 0 },
+                    prompt: e.prompt_tokens,
+                    blocks: blocks.len() as u32,
+                };
                 pick_taking(
                     balancer,
                     ring,
@@ -919,6 +1371,7 @@ impl Pool {
                     shared,
                     e.excluded,
                     (e.affinity_key, blocks, prefixes),
+                    want,
                     now,
                 )
             })
@@ -940,7 +1393,7 @@ impl Pool {
             let live = |t| is_waiting(tickets, t, class);
             let gone = if up == 0 {
                 queue.drain_all(&live)
-            } else if queue.has_irregular() {
+            } else if queue.has_restricted() {
                 queue.remove_where(&live, |e| up & !e.excluded == 0)
             } else {
                 // Every entry is unrestricted and something is up: nothing to evict.
@@ -971,11 +1424,38 @@ impl Pool {
         ticket: Ticket,
         (class, tenant): (Priority, Tenant),
         inst: usize,
-        placed: Affinity,
+        (placed, matched): (Affinity, u32),
+        want: Want,
         now: Millis,
     ) {
         if let Some(shared) = self.shared.as_mut() {
             shared.tenant_granted(tenant);
+        }
+        // SPEC §17: the instance's state as this attempt finds it, for the model to learn.
+        let extra = &self.extras[inst];
+        let model = &mut self.models[inst];
+        let running = {
+            let i = &self.instances[inst];
+            i.in_flight
+                .saturating_add(i.peer_in_flight)
+                .saturating_add(1)
+        };
+        let uncached = want.uncached(matched);
+        let sample = Sample {
+            at: now,
+            first: 0,
+            prompt: want.prompt,
+            uncached,
+            awaiting: model.awaiting,
+            running,
+            context: model.context.saturating_add(want.prompt),
+            waiting: extra.backend_waiting,
+            cache_permille: extra.cache_permille,
+        };
+        model.awaiting = model.awaiting.saturating_add(uncached);
+        model.context = model.context.saturating_add(want.prompt);
+        if let Some(g) = model.adaptive.as_mut() {
+            g.on_grant(running);
         }
         match placed {
             Affinity::None => {}
@@ -998,6 +1478,7 @@ impl Pool {
                 instance: inst as u32,
                 epoch,
                 trial,
+                sample,
             },
         );
         self.stats.granted[class.index()] += 1;
@@ -1009,12 +1490,15 @@ impl Pool {
         excluded: u64,
         affinity_key: u64,
         blocks: &[u64],
+        want: Want,
         now: Millis,
     ) -> Option<(usize, Affinity, u32)> {
         let view = Instances {
             instances: &self.instances,
             extras: &self.extras,
             backend_loaded: self.backend_loaded,
+            models: &self.models,
+            typical_output: self.typical_output,
         };
         pick_taking(
             &mut self.balancer,
@@ -1024,6 +1508,7 @@ impl Pool {
             self.shared.as_ref(),
             excluded,
             (affinity_key, blocks, &self.prefixes),
+            want,
             now,
         )
     }
@@ -1117,6 +1602,115 @@ impl Pool {
             }
             _ => 1000,
         }
+    }
+
+    // ---- SPEC §17: predictions --------------------------------------------------------------
+
+    /// p90 TTFT and p90 TPOT (ms) of a request of `prompt_tokens` sent to instance `idx` now.
+    pub fn predict(
+        &mut self,
+        idx: usize,
+        prompt_tokens: u32,
+        now: Millis,
+    ) -> Result<(f64, f64), CoreError> {
+        if idx >= self.instances.len() {
+            return Err(CoreError::UnknownInstance(idx));
+        }
+        self.sync(now);
+        let m = &self.models[idx];
+        let f = m.features(
+            &self.instances[idx],
+            &self.extras[idx],
+            prompt_tokens,
+            prompt_tokens,
+        );
+        Ok(m.latency.predict(&f))
+    }
+
+    /// SPEC §17 "Unattainable": 0 when some instance of this pool is predicted to meet
+    /// `deadline` for a request of `class` and `prompt_tokens` (or some model that would have
+    /// to say is not calibrated: fail open); otherwise a Retry-After (ms, > 0): when it would
+    /// become attainable — the estimated queue wait ahead of it plus the time for its best
+    /// instance to drain down to idle.
+    pub fn attainable(
+        &mut self,
+        class: Priority,
+        deadline: Millis,
+        prompt_tokens: u32,
+        now: Millis,
+    ) -> Millis {
+        if deadline == 0 {
+            return 0;
+        }
+        self.sync(now);
+        self.advance(now);
+        let budget = deadline.saturating_sub(now) as f64;
+        let health = &self.cfg.health;
+        // The best instance if sent now, and an idle one's best (its floor).
+        let (mut best_now, mut best_idle, mut free) = (f64::INFINITY, f64::INFINITY, false);
+        for (k, inst) in self.instances.iter().enumerate() {
+            if inst.removed || !inst.breaker.available() {
+                continue;
+            }
+            let m = &self.models[k];
+            if !m.latency.ttft_calibrated(now) {
+                return 0;
+            }
+            let extra = &self.extras[k];
+            let f = m.features(inst, extra, prompt_tokens, prompt_tokens);
+            let p = m.latency.predict(&f).0;
+            let idle = Features {
+                awaiting: 0.0,
+                running: 1.0,
+                context: f64::from(prompt_tokens),
+                waiting: 0.0,
+                ..f
+            };
+            best_idle = best_idle.min(m.latency.predict(&idle).0);
+            free |= inst.has_room() && inst.breaker.admits(health, now);
+            best_now = best_now.min(p);
+        }
+        if best_now.is_infinite() {
+            return 0; // nothing up: §6's answer (fallback, 503), not this one
+        }
+        // SPEC §3 queue ahead of it: high waits behind high; low behind both.
+        let (peer_high, peer_low) = self.peers_waiting();
+        let high = self.queues[0].live() as u64 + peer_high;
+        let ahead = match class {
+            Priority::High => high,
+            Priority::Low => high + self.queues[1].live() as u64 + peer_low,
+        };
+        let wait = if free && ahead == 0 {
+            0.0
+        } else {
+            match self.drain.rate(now) {
+                Some(rate) if rate > 0.0 => (ahead as f64 + 1.0) / rate * 1000.0,
+                _ => return 0, // no grant seen yet: nothing to estimate by, fail open
+            }
+        };
+        if wait + best_now <= budget {
+            return 0;
+        }
+        (wait + (best_now - best_idle).max(0.0)).ceil().max(1.0) as Millis
+    }
+
+    /// How instance `idx`'s model is doing (SPEC §17: "its predictions and their error").
+    pub fn model_view(&mut self, idx: usize, now: Millis) -> Result<ModelView, CoreError> {
+        let typical = self.typical_prompt as u32;
+        let (ttft_ms, tpot_ms) = self.predict(idx, typical, now)?;
+        let m = &self.models[idx].latency;
+        Ok(ModelView {
+            ttft_ms,
+            tpot_ms,
+            ttft_mae_ms: m.ttft.mae_ms(),
+            tpot_mae_ms: m.tpot.mae_ms(),
+            ttft_coverage: m.ttft.coverage(),
+            tpot_coverage: m.tpot.coverage(),
+            ttft_samples: m.ttft.effective(now),
+            tpot_samples: m.tpot.effective(now),
+            calibrated: m.ttft_calibrated(now),
+            adaptive_base_ms: self.models[idx].adaptive.as_ref().and_then(Gradient::base),
+        })
     }
 
     // ---- views ---------------------------------------------------------------------------
@@ -1377,6 +1971,8 @@ struct Instances<'a> {
     instances: &'a [Instance],
     extras: &'a [InstanceExtra],
     backend_loaded: bool,
+    models: &'a [InstanceModel],
+    typical_output: f64,
 }
 
 /// `pick`, and in a shared pool (SPEC §12) the unit taken from the shared lease word: an
@@ -1390,14 +1986,24 @@ fn pick_taking(
     shared: Option<&Shared>,
     excluded: u64,
     affine: Affine<'_>,
+    want: Want,
     now: Millis,
 ) -> Option<(usize, Affinity, u32)> {
     let Some(shared) = shared else {
-        return pick(balancer, ring, view, cfg, excluded, affine, now);
+        return pick(balancer, ring, view, cfg, excluded, affine, want, now);
     };
     let mut full = 0u64;
     loop {
-        let (k, placed, matched) = pick(balancer, ring, view, cfg, excluded | full, affine, now)?;
+        let (k, placed, matched) = pick(
+            balancer,
+            ring,
+            view,
+            cfg,
+            excluded | full,
+            affine,
+            want,
+            now,
+        )?;
         if shared.take(k, &view.instances[k], cfg.health.half_open_max_requests) {
             return Some((k, placed, matched));
         }
@@ -1407,6 +2013,7 @@ fn pick_taking(
 
 /// The balancer's choice among instances that admit a new attempt now, have a free slot and
 /// are not excluded; with the affinity decision.
+#[allow(clippy::too_many_arguments)]
 fn pick(
     balancer: &mut Balancer,
     ring: &mut Option<HashRing>,
@@ -1414,6 +2021,7 @@ fn pick(
     cfg: &PoolConfig,
     excluded: u64,
     (affinity_key, blocks, prefixes): Affine<'_>,
+    want: Want,
     now: Millis,
 ) -> Option<(usize, Affinity, u32)> {
     let (instances, extras) = (view.instances, view.extras);
@@ -1422,8 +2030,30 @@ fn pick(
         let i = &instances[k];
         excluded & (1 << k) == 0 && !i.removed && i.has_room() && i.breaker.admits(health, now)
     };
-    if (affinity_key != 0 || !blocks.is_empty()) && balancer.kind == BalancerKind::Affinity {
+    let affine = affinity_key != 0 || !blocks.is_empty();
+    if affine && balancer.kind == BalancerKind::Affinity {
         return place_affine(ring, view, cfg, (affinity_key, blocks, prefixes), candidate);
+    }
+    if balancer.kind == BalancerKind::Predicted {
+        // SPEC §17 "Placement": "prefix affinity (§15) still wins while its instance meets the
+        // objective".
+        if affine {
+            if let Some((k, placed, matched)) =
+                place_affine(ring, view, cfg, (affinity_key, blocks, prefixes), candidate)
+            {
+                if meets(view, k, matched, want, now) {
+                    return Some((k, placed, matched));
+                }
+            }
+        }
+        // The blocks each instance holds of this prompt: its uncached share is a feature.
+        let mut lens = [0u32; 64];
+        if !blocks.is_empty() {
+            let ring = ring.get_or_insert_with(|| ring_of(view));
+            prefixes.matches(blocks, ring.members(), &mut lens);
+        }
+        return pick_predicted(balancer, view, candidate, want, &lens, now)
+            .map(|k| (k, Affinity::None, lens[k]));
     }
     let n = instances.len();
     let chosen = if view.backend_loaded {
@@ -1433,6 +2063,74 @@ fn pick(
         balancer.pick(n, candidate, |k| instances[k].load())
     };
     chosen.map(|i| (i, Affinity::None, 0))
+}
+
+/// Whether instance `k`, holding `matched` of the request's blocks, is predicted to meet its
+/// objective (no objective, or an uncalibrated model: yes — fail open).
+fn meets(view: &Instances<'_>, k: usize, matched: u32, want: Want, now: Millis) -> bool {
+    if want.deadline == 0 {
+        return true;
+    }
+    let m = &view.models[k];
+    if !m.latency.ttft_calibrated(now) {
+        return true;
+    }
+    let f = m.features(
+        &view.instances[k],
+        &view.extras[k],
+        want.prompt,
+        want.uncached(matched),
+    );
+    now as f64 + m.latency.predict(&f).0 <= want.deadline as f64
+}
+
+/// SPEC §17 `balancer: predicted`: among candidates, the most headroom under the objective
+/// (deadline − now − p90 TTFT: the lowest p90 TTFT) for a request with one, else the lowest
+/// predicted latency (p90 TTFT + the typical output × mean TPOT). While some candidate's model
+/// is not calibrated, least connections (see `balancer.rs`: that is also how a starved
+/// instance wins its samples back).
+fn pick_predicted(
+    balancer: &mut Balancer,
+    view: &Instances<'_>,
+    candidate: impl Fn(usize) -> bool,
+    want: Want,
+    lens: &[u32; 64],
+    now: Millis,
+) -> Option<usize> {
+    let score = |k: usize| {
+        let m = &view.models[k];
+        let ttft = m.latency.ttft_calibrated(now);
+        let f = m.features(
+            &view.instances[k],
+            &view.extras[k],
+            want.prompt,
+            want.uncached(lens[k]),
+        );
+        if want.deadline != 0 {
+            return ttft.then(|| m.latency.predict(&f).0);
+        }
+        if !ttft && !m.latency.tpot_calibrated(now) {
+            return None;
+        }
+        let (p90_ttft, _) = m.latency.predict(&f);
+        let (mean_ttft, mean_tpot) = m.latency.mean(&f);
+        let first = if ttft {
+            p90_ttft
+        } else if m.latency.ttft.samples() > 0 {
+            mean_ttft
+        } else {
+            0.0
+        };
+        Some(first + view.typical_output * mean_tpot)
+    };
+    let (instances, extras) = (view.instances, view.extras);
+    if view.backend_loaded {
+        balancer.pick_scored(instances.len(), candidate, score, |k| {
+            instances[k].load_with(&extras[k])
+        })
+    } else {
+        balancer.pick_scored(instances.len(), candidate, score, |k| instances[k].load())
+    }
 }
 
 /// SPEC §15: the key's instance on the hash ring while its load is at most `(1 + ε)` times
@@ -1446,16 +2144,7 @@ fn place_affine(
     candidate: impl Fn(usize) -> bool,
 ) -> Option<(usize, Affinity, u32)> {
     let (instances, extras) = (view.instances, view.extras);
-    let ring = ring.get_or_insert_with(|| {
-        HashRing::new(
-            instances
-                .iter()
-                .zip(extras)
-                .enumerate()
-                .filter(|(_, (i, _))| !i.removed)
-                .map(|(k, (_, e))| (k, e.ring_id)),
-        )
-    });
+    let ring = ring.get_or_insert_with(|| ring_of(view));
     let (total, up) = instances
         .iter()
         .zip(extras)
@@ -1479,6 +2168,18 @@ fn place_affine(
     let longest = prefixes.matches(blocks, ring.members(), &mut lens);
     let branches = prefixes.branches(blocks, &lens, longest);
     prefix::place(ring, blocks, &lens, longest, branches, cap, candidate, load)
+}
+
+/// The affinity hash ring of the instances not removed.
+fn ring_of(view: &Instances<'_>) -> HashRing {
+    HashRing::new(
+        view.instances
+            .iter()
+            .zip(view.extras)
+            .enumerate()
+            .filter(|(_, (i, _))| !i.removed)
+            .map(|(k, (_, e))| (k, e.ring_id)),
+    )
 }
 
 /// What places a request in an `affinity` pool: its session key (0: none), its prompt
@@ -1651,6 +2352,56 @@ mod tests {
             Ok(Admit::Granted(0))
         );
         assert!(p.set_backend_load(9, 0, 0).is_err());
+    }
+
+    #[test]
+    fn the_uncached_share_of_a_prompt_is_what_its_instance_does_not_hold() {
+        let want = Want {
+            deadline: 0,
+            prompt: 1000,
+            blocks: 40,
+        };
+        assert_eq!(want.uncached(0), 1000);
+        assert_eq!(want.uncached(10), 750);
+        assert_eq!(want.uncached(40), 0);
+        assert_eq!(want.uncached(99), 0);
+        let no_blocks = Want { blocks: 0, ..want };
+        assert_eq!(no_blocks.uncached(7), 1000);
+    }
+
+    /// SPEC §17 "inputs such as ... an affinity hit": in a `predicted` pool a request whose
+    /// prompt an instance holds is learnt with its uncached share, and what awaits a first
+    /// token there counts only that share.
+    #[test]
+    fn an_affinity_hit_counts_as_uncached_tokens_only() {
+        let mut p = Pool::new(
+            PoolConfig {
+                balancer: BalancerKind::Predicted,
+                ..PoolConfig::default()
+            },
+            1,
+        )
+        .unwrap();
+        p.add_instance_with_id(8, Some(1)).unwrap();
+        let blocks: Vec<u64> = (1..=10).collect();
+        let req = Request {
+            prompt_tokens: 1000,
+            ..Request::default()
+        };
+        assert_eq!(
+            p.submit_request(1, Priority::High, req, &blocks, 0),
+            Ok(Admit::Granted(0))
+        );
+        assert_eq!(p.models[0].awaiting, 1000);
+        p.release_with(1, Outcome::Success, 0, 10, 10).unwrap();
+        // the same prompt again: its instance holds all ten blocks
+        p.submit_request(2, Priority::High, req, &blocks, 20)
+            .unwrap();
+        assert_eq!(p.last_matched_blocks(), 10);
+        assert_eq!(p.models[0].awaiting, 0);
+        assert_eq!(p.models[0].context, 1000);
+        p.release_with(2, Outcome::Success, 0, 10, 30).unwrap();
+        assert_eq!((p.models[0].awaiting, p.models[0].context), (0, 0));
     }
 
     #[test]

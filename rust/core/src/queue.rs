@@ -1,23 +1,40 @@
-//! One priority class's bounded queue, fair across tenants.
+//! One priority class's bounded queue, fair across tenants, earliest deadline first within a
+//! tenant.
 //!
-//! Entries wait in per-tenant FIFOs visited round-robin (one grant per tenant per turn: fair
+//! Entries wait in per-tenant queues visited round-robin (one grant per tenant per turn: fair
 //! queuing without weights), so one tenant's 1,000-request batch cannot stall another tenant's
 //! batch behind it. A tenant with nothing left waiting leaves the ring and rejoins at the back,
-//! as in textbook round-robin. With one tenant it is a plain FIFO.
+//! as in textbook round-robin.
+//!
+//! SPEC §17 "Ordering": inside a tenant's queue entries are ordered by (deadline, arrival
+//! sequence). The deadline is arrival + the request's TTFT objective, or without one arrival +
+//! the class's `max_wait_ms` — so with no objectives anywhere this is the FIFO it always was.
+//! Fairness between tenants comes first and deadline order second, as llm-d's flow control
+//! layers them (fairness policy between flows, ordering policy within a flow): a tenant that
+//! sends only tight objectives must not take the whole class from one that sends none — its
+//! deadlines order *its own* requests. With one tenant it is plain earliest deadline first.
+//!
+//! An entry whose objective can no longer be met (a hopeless head: its deadline, less the
+//! fastest predicted TTFT, has passed) is re-keyed to arrival + `max_wait_ms`, i.e. back to
+//! FIFO among the requests without objectives: EDF under overload otherwise serves the
+//! already-late first and makes every later request late too (the "domino effect").
 //!
 //! Cancellation is O(tenants): the pool forgets the ticket and calls `forget`; the entry stays
 //! as a tombstone until it reaches a head, where it is dropped. Capacity and depth count live
 //! entries only (SPEC §3: a cancelled request "no longer counts toward capacity, depth or
 //! metrics").
 //!
-//! Deadlines are not stored: an entry's deadline is its `enqueued_at` plus the class's current
-//! `max_wait_ms`, so a reload that changes the bound applies to everyone already waiting, and
-//! within a tenant's FIFO deadlines stay in order.
+//! Queue timeouts are not stored: an entry expires at its `enqueued_at` plus the class's current
+//! `max_wait_ms`, so a reload that changes the bound applies to everyone already waiting. While
+//! every entry went in at the back of its tenant's queue (its key after every other key there;
+//! fresh arrivals with one objective per class always do) arrival order and key order agree
+//! and heads are the oldest; an entry inserted in the middle (a retry, an earlier deadline, a
+//! re-keyed head) or with exclusions makes the queue *irregular* and scans cover it whole.
 //!
 //! Why not a lock-free MPMC ring (crossbeam's `ArrayQueue`): every operation on a pool runs on
 //! its owner's thread (the event loop), so there is no contention to be free of, and a ring can
-//! neither remove from the middle nor re-insert a retry at its arrival position (SPEC §3
-//! "Retries keep their place"). This structure takes no lock at all.
+//! neither remove from the middle nor re-insert a retry at its place (SPEC §3 "Retries keep
+//! their place"). This structure takes no lock at all.
 
 use std::collections::VecDeque;
 
@@ -34,6 +51,13 @@ pub struct Entry {
     pub excluded: u64,
     /// Its affinity key (SPEC §15), 0 for none: placed by it when granted.
     pub affinity_key: u64,
+    /// SPEC §17: the order key within its tenant — arrival + TTFT objective, or without one
+    /// arrival + the class's `max_wait_ms` (`Entry::new` sets `enqueued_at`).
+    pub deadline: Millis,
+    /// Whether `deadline` comes from an objective (not from `max_wait_ms`).
+    pub objective: bool,
+    /// The request's prompt tokens (a feature of the latency model).
+    pub prompt_tokens: u32,
     /// Set by `push` when the entry went in before later arrivals (a retry).
     reinserted: bool,
 }
@@ -46,8 +70,28 @@ impl Entry {
             enqueued_at,
             excluded,
             affinity_key: 0,
+            deadline: enqueued_at,
+            objective: false,
+            prompt_tokens: 0,
             reinserted: false,
         }
+    }
+
+    /// Its order key (SPEC §17) and whether that came from an objective.
+    pub fn with_deadline(mut self, deadline: Millis, objective: bool) -> Self {
+        self.deadline = deadline;
+        self.objective = objective;
+        self
+    }
+
+    pub fn with_prompt_tokens(mut self, tokens: u32) -> Self {
+        self.prompt_tokens = tokens;
+        self
+    }
+
+    #[inline]
+    fn key(&self) -> (Millis, Ticket) {
+        (self.deadline, self.ticket)
     }
 
     pub fn with_affinity_key(mut self, key: u64) -> Self {
@@ -69,13 +113,38 @@ struct TenantQueue {
     live: usize,
 }
 
+/// Counts of present entries (live or tombstoned) that make scans cover whole queues.
+#[derive(Clone, Copy, Debug, Default)]
+struct Tally {
+    /// Irregular entries (see `Entry::irregular`).
+    irregular: usize,
+    /// Entries with exclusions (the only ones §6's eviction can remove while something is up).
+    restricted: usize,
+}
+
+impl Tally {
+    fn add(&mut self, e: &Entry) {
+        self.irregular += usize::from(e.irregular());
+        self.restricted += usize::from(e.excluded != 0);
+    }
+
+    fn sub(&mut self, e: &Entry) {
+        self.irregular -= usize::from(e.irregular());
+        self.restricted -= usize::from(e.excluded != 0);
+    }
+}
+
 #[derive(Debug)]
 pub struct ClassQueue {
     /// Tenants with at least one live entry, in round-robin order.
     ring: VecDeque<TenantQueue>,
     live: usize,
-    /// Irregular entries present, live or tombstoned.
-    irregular: usize,
+    tally: Tally,
+    /// At most the `enqueued_at` of every live entry (`Millis::MAX` when none has been
+    /// pushed since the queue was empty); the exact minimum while `oldest_exact`. Expiry and
+    /// the starvation guard read it instead of scanning a queue in deadline order.
+    oldest: Millis,
+    oldest_exact: bool,
     pub capacity: usize,
 }
 
@@ -84,7 +153,9 @@ impl ClassQueue {
         Self {
             ring: VecDeque::new(),
             live: 0,
-            irregular: 0,
+            tally: Tally::default(),
+            oldest: Millis::MAX,
+            oldest_exact: true,
             capacity,
         }
     }
@@ -102,12 +173,19 @@ impl ClassQueue {
     /// Whether some present entry has exclusions or is out of arrival order.
     #[inline]
     pub fn has_irregular(&self) -> bool {
-        self.irregular > 0
+        self.tally.irregular > 0
     }
 
-    /// Adds an entry. Within a tenant entries stay in ticket (arrival) order: a fresh arrival
-    /// goes last; a retry goes before every entry that arrived after it.
-    pub fn push(&mut self, mut entry: Entry) {
+    /// Whether some present entry has exclusions.
+    #[inline]
+    pub fn has_restricted(&self) -> bool {
+        self.tally.restricted > 0
+    }
+
+    /// Adds an entry. Within a tenant entries stay in (deadline, ticket) order: a fresh arrival
+    /// with the latest deadline goes last; a retry keeps its deadline and its ticket, so it
+    /// goes back to its place (SPEC §3 "Retries keep their place").
+    pub fn push(&mut self, entry: Entry) {
         debug_assert!(self.live < self.capacity, "push past capacity");
         self.live += 1;
         let q = match self.ring.iter().position(|q| q.tenant == entry.tenant) {
@@ -122,20 +200,49 @@ impl ClassQueue {
             }
         };
         q.live += 1;
-        if q.entries
-            .back()
-            .is_none_or(|last| last.ticket < entry.ticket)
-        {
-            if entry.irregular() {
-                self.irregular += 1;
-            }
-            q.entries.push_back(entry);
-        } else {
-            entry.reinserted = true;
-            self.irregular += 1;
-            let at = q.entries.partition_point(|e| e.ticket < entry.ticket);
-            q.entries.insert(at, entry);
+        if entry.enqueued_at < self.oldest {
+            // a lower bound still; exact if it was (or the queue was empty: then `oldest` was
+            // MAX and exact)
+            self.oldest = entry.enqueued_at;
         }
+        let placed = place(q, entry);
+        self.tally.add(&placed);
+    }
+
+    /// SPEC §17: heads whose objective is lost — deadline before `horizon` (now + the fastest
+    /// predicted TTFT) — are re-keyed to `enqueued_at + fifo_offset` (the class's
+    /// `max_wait_ms`) and lose their objective, at most `limit` of them. Returns how many.
+    pub fn rekey_hopeless(
+        &mut self,
+        is_live: &impl Fn(Ticket) -> bool,
+        horizon: Millis,
+        fifo_offset: Millis,
+        limit: usize,
+    ) -> usize {
+        if self.live == 0 {
+            return 0;
+        }
+        self.clean_heads(is_live);
+        let mut done = 0;
+        for q in self.ring.iter_mut() {
+            while done < limit {
+                let Some(head) = q.entries.front() else {
+                    break;
+                };
+                if !(head.objective && head.deadline < horizon && is_live(head.ticket)) {
+                    break;
+                }
+                let mut e = q.entries.pop_front().expect("a head");
+                self.tally.sub(&e);
+                e.reinserted = false;
+                e.objective = false;
+                e.deadline = e.enqueued_at.saturating_add(fifo_offset);
+                let placed = place(q, e);
+                self.tally.add(&placed);
+                done += 1;
+            }
+        }
+        done
     }
 
     /// The pool cancelled a waiting ticket of `tenant` in this class; its entry is now a
@@ -149,29 +256,29 @@ impl ClassQueue {
             .position(|q| q.tenant == tenant)
             .expect("a waiting ticket's tenant is in the ring");
         self.ring[i].live -= 1;
+        // The cancelled entry may have been the oldest.
+        self.oldest_exact = false;
         if self.ring[i].live == 0 {
             let gone = self.ring.remove(i).expect("index from position");
-            self.irregular -= gone.entries.iter().filter(|e| e.irregular()).count();
+            gone.entries.iter().for_each(|e| self.tally.sub(e));
         }
     }
 
     /// Drops tombstones at the heads.
     fn clean_heads(&mut self, is_live: &impl Fn(Ticket) -> bool) {
-        let mut dropped = 0;
         for q in self.ring.iter_mut() {
             while let Some(e) = q.entries.front() {
                 if is_live(e.ticket) {
                     break;
                 }
-                dropped += usize::from(e.irregular());
+                self.tally.sub(e);
                 q.entries.pop_front();
             }
         }
-        self.irregular -= dropped;
     }
 
-    /// Whose turn is next: the tenant at the front of the ring and the arrival of its first
-    /// live entry (SPEC §12: compared across workers).
+    /// Whose turn is next: the tenant at the front of the ring and the deadline (order key) of
+    /// its first live entry (SPEC §12, §17: compared across workers).
     pub fn next_turn(&mut self, is_live: &impl Fn(Ticket) -> bool) -> Option<(Tenant, Millis)> {
         if self.live == 0 {
             return None;
@@ -180,7 +287,7 @@ impl ClassQueue {
         self.ring
             .iter()
             .find(|q| q.live > 0)
-            .and_then(|q| q.entries.front().map(|e| (q.tenant, e.enqueued_at)))
+            .and_then(|q| q.entries.front().map(|e| (q.tenant, e.deadline)))
     }
 
     /// The arrival time of the oldest live entry (the starvation guard's "oldest low").
@@ -188,22 +295,37 @@ impl ClassQueue {
         if self.live == 0 {
             return None;
         }
-        if self.irregular > 0 {
-            // A retry back at its place can hide an older entry behind it.
-            return self
-                .ring
+        if self.oldest_exact {
+            return Some(self.oldest);
+        }
+        let oldest = if self.tally.irregular > 0 {
+            // An entry with an earlier deadline or a retry back at its place can hide an older
+            // entry behind it.
+            self.ring
                 .iter()
                 .flat_map(|q| q.entries.iter())
                 .filter(|e| is_live(e.ticket))
                 .map(|e| e.enqueued_at)
-                .min();
+                .min()
+        } else {
+            self.clean_heads(is_live);
+            self.ring
+                .iter()
+                .filter_map(|q| q.entries.front())
+                .map(|e| e.enqueued_at)
+                .min()
+        };
+        self.oldest = oldest.unwrap_or(Millis::MAX);
+        self.oldest_exact = true;
+        oldest
+    }
+
+    /// An entry left: if it was the oldest, the minimum must be found again.
+    fn left(&mut self, e: &Entry) {
+        self.tally.sub(e);
+        if e.enqueued_at <= self.oldest {
+            self.oldest_exact = false;
         }
-        self.clean_heads(is_live);
-        self.ring
-            .iter()
-            .filter_map(|q| q.entries.front())
-            .map(|e| e.enqueued_at)
-            .min()
     }
 
     /// Removes and returns the next entry in fair order for which `fits` finds a place (and
@@ -240,13 +362,11 @@ impl ClassQueue {
                 let mut served = self.ring.remove(turn).expect("turn is in range");
                 let entry = served.entries.remove(i).expect("index from the scan");
                 served.live -= 1;
-                if entry.irregular() {
-                    self.irregular -= 1;
-                }
+                self.left(&entry);
                 if served.live > 0 {
                     self.ring.push_back(served);
                 } else {
-                    self.irregular -= served.entries.iter().filter(|e| e.irregular()).count();
+                    served.entries.iter().for_each(|e| self.tally.sub(e));
                 }
                 self.live -= 1;
                 return Some((entry, inst));
@@ -264,8 +384,8 @@ impl ClassQueue {
         pred: impl Fn(&Entry) -> bool,
     ) -> Vec<Ticket> {
         let mut out = Vec::new();
-        let mut dropped_irregular = 0;
-        let full_scan = self.irregular > 0;
+        let mut dropped = Tally::default();
+        let full_scan = self.tally.irregular > 0;
         for q in self.ring.iter_mut() {
             let mut removed_live = 0;
             if full_scan {
@@ -273,7 +393,7 @@ impl ClassQueue {
                     let live = is_live(e.ticket);
                     let remove = !live || pred(e);
                     if remove {
-                        dropped_irregular += usize::from(e.irregular());
+                        dropped.add(e);
                         if live {
                             out.push(e.ticket);
                             removed_live += 1;
@@ -287,6 +407,7 @@ impl ClassQueue {
                     if live && !pred(e) {
                         break;
                     }
+                    dropped.add(e);
                     if live {
                         out.push(e.ticket);
                         removed_live += 1;
@@ -298,11 +419,15 @@ impl ClassQueue {
         }
         self.ring.retain(|q| {
             if q.live == 0 {
-                dropped_irregular += q.entries.iter().filter(|e| e.irregular()).count();
+                q.entries.iter().for_each(|e| dropped.add(e));
             }
             q.live > 0
         });
-        self.irregular -= dropped_irregular;
+        self.tally.irregular -= dropped.irregular;
+        self.tally.restricted -= dropped.restricted;
+        if !out.is_empty() {
+            self.oldest_exact = false;
+        }
         self.live -= out.len();
         out
     }
@@ -314,18 +439,54 @@ impl ClassQueue {
         max_wait: Millis,
         is_live: &impl Fn(Ticket) -> bool,
     ) -> Vec<Ticket> {
-        if self.live == 0 {
+        if self.live == 0 || self.oldest.saturating_add(max_wait) > now {
+            // `oldest` is at most every live entry's arrival: none is due.
             return Vec::new();
         }
-        self.remove_where(is_live, |e| e.enqueued_at.saturating_add(max_wait) <= now)
+        let mut out = self.remove_where(is_live, |e| e.enqueued_at.saturating_add(max_wait) <= now);
+        // The bound may have been stale (the oldest left): find the true oldest, so the next
+        // wake-up is not in the past.
+        self.oldest_exact = false;
+        self.oldest_enqueued_at(is_live);
+        // Answered in arrival order, whatever order deadlines kept them in.
+        out.sort_unstable();
+        out
     }
 
-    /// Earliest deadline of a live entry (tombstones may make it early, never late).
+    /// A reload changed the class's `max_wait_ms` from `old` to `new`: entries without an
+    /// objective are keyed by it (arrival + `max_wait_ms`), so their keys move with it and
+    /// every tenant's queue is put back in (deadline, ticket) order.
+    pub fn rekey_fifo(&mut self, old: Millis, new: Millis) {
+        if old == new || self.ring.is_empty() {
+            return;
+        }
+        for q in self.ring.iter_mut() {
+            for e in q.entries.iter_mut().filter(|e| !e.objective) {
+                e.deadline = e.deadline.saturating_sub(old).saturating_add(new);
+            }
+            q.entries.make_contiguous().sort_by_key(Entry::key);
+        }
+        // Which entries now break arrival order (see the module's doc on regularity).
+        let mut tally = Tally::default();
+        for q in self.ring.iter_mut() {
+            let mut latest: Millis = 0;
+            for e in q.entries.iter_mut() {
+                e.reinserted = e.enqueued_at < latest;
+                latest = latest.max(e.enqueued_at);
+                tally.add(e);
+            }
+        }
+        self.tally = tally;
+    }
+
+    /// When the earliest live entry times out (tombstones may make it early, never late).
     pub fn next_deadline(&self, max_wait: Millis) -> Option<Millis> {
         if self.live == 0 {
             return None;
         }
-        let oldest = if self.irregular > 0 {
+        let oldest = if self.oldest_exact {
+            Some(self.oldest)
+        } else if self.tally.irregular > 0 {
             self.ring
                 .iter()
                 .flat_map(|q| q.entries.iter())
@@ -352,9 +513,42 @@ impl ClassQueue {
             .collect();
         out.sort_unstable();
         self.live = 0;
-        self.irregular = 0;
+        self.tally = Tally::default();
+        self.oldest = Millis::MAX;
+        self.oldest_exact = true;
         out
     }
+}
+
+/// Inserts `entry` at its (deadline, ticket) place in its tenant's queue; returns it as placed
+/// (marked reinserted when it went before another entry).
+fn place(q: &mut TenantQueue, mut entry: Entry) -> Entry {
+    if !entry.objective && q.entries.back().is_some_and(|l| l.ticket > entry.ticket) {
+        // A retry without an objective: its arrival-based key was computed again from the
+        // retry's time; it still goes before every later arrival without an objective.
+        if let Some(m) = q
+            .entries
+            .iter()
+            .filter(|e| !e.objective && e.ticket > entry.ticket)
+            .map(|e| e.deadline)
+            .min()
+        {
+            entry.deadline = entry.deadline.min(m);
+        }
+    }
+    let at_back = q
+        .entries
+        .back()
+        .is_none_or(|last| last.key() < entry.key() && last.enqueued_at <= entry.enqueued_at);
+    if at_back {
+        q.entries.push_back(entry);
+    } else {
+        entry.reinserted = true;
+        let key = entry.key();
+        let at = q.entries.partition_point(|e| e.key() < key);
+        q.entries.insert(at, entry);
+    }
+    entry
 }
 
 #[cfg(test)]
@@ -444,5 +638,64 @@ mod tests {
         // a reload halves the bound: the next deadline moves up with it
         assert_eq!(q.next_deadline(50), Some(53));
         assert_eq!(q.live(), 1);
+    }
+
+    fn d(ticket: Ticket, deadline: Millis) -> Entry {
+        Entry::new(ticket, 0, ticket, 0).with_deadline(deadline, true)
+    }
+
+    fn drain(q: &mut ClassQueue) -> Vec<Ticket> {
+        std::iter::from_fn(|| q.pop_fitting(&|_| true, |_| Some(0)).map(|(e, _)| e.ticket))
+            .collect()
+    }
+
+    #[test]
+    fn earliest_deadline_first_within_a_tenant() {
+        let mut q = ClassQueue::new(100);
+        q.push(d(1, 500));
+        q.push(d(2, 300));
+        q.push(Entry::new(3, 0, 3, 0).with_deadline(400, false));
+        q.push(d(4, 300));
+        // equal deadlines go by arrival
+        assert_eq!(drain(&mut q), vec![2, 4, 3, 1]);
+        assert!(!q.has_irregular());
+    }
+
+    #[test]
+    fn tenants_still_take_turns_under_deadlines() {
+        let mut q = ClassQueue::new(100);
+        q.push(d(1, 900));
+        q.push(d(2, 950));
+        q.push(Entry::new(3, 7, 3, 0).with_deadline(10, true));
+        q.push(Entry::new(4, 7, 4, 0).with_deadline(20, true));
+        // tenant 0 is first in the ring; tenant 7's tight deadlines order its own requests
+        assert_eq!(drain(&mut q), vec![1, 3, 2, 4]);
+    }
+
+    #[test]
+    fn a_retry_keeps_its_deadline_and_place() {
+        let mut q = ClassQueue::new(100);
+        q.push(d(1, 100));
+        q.push(d(3, 300));
+        q.push(d(2, 200)); // retried with its deadline
+        assert_eq!(drain(&mut q), vec![1, 2, 3]);
+        // without objectives: a retry re-keyed from its later time still goes before later arrivals
+        q.push(Entry::new(5, 0, 50, 0).with_deadline(1050, false));
+        q.push(Entry::new(6, 0, 60, 0).with_deadline(1060, false));
+        q.push(Entry::new(4, 0, 70, 0).with_deadline(1070, false));
+        assert_eq!(drain(&mut q), vec![4, 5, 6]);
+    }
+
+    #[test]
+    fn hopeless_heads_go_back_to_fifo() {
+        let mut q = ClassQueue::new(100);
+        q.push(Entry::new(1, 0, 0, 0).with_deadline(100, true));
+        q.push(Entry::new(2, 0, 10, 0).with_deadline(1010, false));
+        q.push(Entry::new(3, 0, 20, 0).with_deadline(500, true));
+        // at 150 entry 1's deadline has passed: it goes back to arrival + 1000
+        assert_eq!(q.rekey_hopeless(&|_| true, 150, 1000, 8), 1);
+        assert_eq!(q.next_turn(&|_| true), Some((0, 500)));
+        assert_eq!(drain(&mut q), vec![3, 1, 2]);
+        assert!(!q.has_irregular());
     }
 }

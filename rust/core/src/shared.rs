@@ -30,7 +30,7 @@ const UNBOUND: usize = usize::MAX;
 struct Deferral {
     class: Priority,
     worker: usize,
-    /// Its turn (tenant entry, head arrival) and how many it had waiting in the class: a
+    /// Its turn (tenant entry, head deadline) and how many it had waiting in the class: a
     /// grant there changes the count even when the next request looks the same.
     turn: (usize, Millis, u64),
     /// How many times it had looked at the pool.
@@ -157,6 +157,10 @@ impl Shared {
             };
             let (held, mine) = r.held_split(p, s, me);
             inst.peer_in_flight = held.saturating_sub(mine).min(u64::from(u32::MAX)) as u32;
+            // SPEC §17: an adaptive instance's cap is the limit the workers share.
+            if let (_, Some((limit, _))) = r.limit(p, s) {
+                inst.limit = (limit as u32).clamp(1, inst.max_concurrency);
+            }
             let before = inst.breaker.state();
             let (gen, until) = r.ejection(p, s);
             if gen != self.seen_ejection[k] {
@@ -181,6 +185,29 @@ impl Shared {
         changed
     }
 
+    /// SPEC §17: instance `idx`'s shared adaptive limit — the word read and (limit, when it
+    /// was judged), if set.
+    pub fn limit(&self, idx: usize) -> (u64, Option<(f64, Millis)>) {
+        self.slot(idx)
+            .map_or((0, None), |s| self.region.limit(self.pool, s))
+    }
+
+    /// Sets the shared limit if the word is still `seen`; whether it was.
+    pub fn judge_limit(&self, idx: usize, seen: u64, limit: Option<(f64, Millis)>) -> bool {
+        self.slot(idx)
+            .is_some_and(|s| self.region.judge_limit(self.pool, s, seen, limit))
+    }
+
+    /// Clears instance `idx`'s shared limit (its cap is `max_concurrency` again).
+    pub fn clear_limit(&self, idx: usize) {
+        loop {
+            let (seen, _) = self.limit(idx);
+            if seen == 0 || self.judge_limit(idx, seen, None) {
+                return;
+            }
+        }
+    }
+
     /// A place in `class`'s queue, counted across workers against `capacity`.
     pub fn take_place(&mut self, class: Priority, capacity: usize) -> bool {
         self.region.take_place(
@@ -197,7 +224,7 @@ impl Shared {
             return false;
         };
         let (r, p, me) = (self.region, self.pool, self.worker);
-        if !r.take(p, s, me, u64::from(inst.max_concurrency)) {
+        if !r.take(p, s, me, u64::from(inst.limit)) {
             return false;
         }
         if inst.breaker.state() == InstanceState::HalfOpen
@@ -338,7 +365,9 @@ impl Shared {
 
     /// SPEC §12 "tenant fair share ... apply to the union": the worker whose next turn in
     /// `class` deserves the unit more than ours — its tenant has had fewer grants across all
-    /// workers, or as many and its head arrived first — or `None` if ours is the one.
+    /// workers, or as many and its head's deadline is earlier (SPEC §17: "deadlines are
+    /// compared across workers"; without objectives that is the earlier arrival, as the
+    /// deadline is then arrival + `max_wait_ms`) — or `None` if ours is the one.
     pub fn better_turn(
         &mut self,
         class: Priority,

@@ -195,7 +195,9 @@ layout!(
         trials: u64,
         /// consecutive failed attempts, by any worker
         failures: u64,
-        _pad: [u64; LINE - 7],
+        /// SPEC §17 adaptive limit: (limit × 16) << 40 | judged at (ms + 1); 0 = none
+        limit: u64,
+        _pad: [u64; LINE - 8],
     }
 );
 
@@ -274,6 +276,7 @@ const I_PROBE: usize = word!(Slot, probe);
 const I_PROBE_CLAIM: usize = word!(Slot, probe_claim);
 const I_TRIALS: usize = word!(Slot, trials);
 const I_FAILURES: usize = word!(Slot, failures);
+const I_LIMIT: usize = word!(Slot, limit);
 
 const T_KEY: usize = word!(TenantEntry, key);
 const T_GRANTS: usize = word!(TenantEntry, grants);
@@ -639,6 +642,7 @@ impl<'a> Region<'a> {
             I_PROBE_CLAIM,
             I_TRIALS,
             I_FAILURES,
+            I_LIMIT,
         ] {
             self.slot_word(p, s, k).store(0, Release);
         }
@@ -739,6 +743,26 @@ impl<'a> Region<'a> {
             }
         }
         word.compare_exchange(cur, now.saturating_add(1), AcqRel, Acquire)
+            .is_ok()
+    }
+
+    /// SPEC §17: instance slot `s`'s adaptive limit as the workers share it, with the word it
+    /// was read from (for `judge_limit`) and when it was last judged: `None` when unset.
+    pub fn limit(&self, p: usize, s: usize) -> (u64, Option<(f64, Millis)>) {
+        let v = self.slot_word(p, s, I_LIMIT).load(Acquire);
+        let at = dec_time(v & ((1 << 40) - 1));
+        (v, at.map(|at| ((v >> 40) as f64 / 16.0, at)))
+    }
+
+    /// Sets the shared adaptive limit if the word is still `seen` (one judgement per window
+    /// across workers: the first to judge wins, the others adopt it). `None` clears it.
+    pub fn judge_limit(&self, p: usize, s: usize, seen: u64, limit: Option<(f64, Millis)>) -> bool {
+        let v = limit.map_or(0, |(l, at)| {
+            let fixed = ((l * 16.0) as u64).min((1 << 24) - 1);
+            fixed << 40 | (at.saturating_add(1) & ((1 << 40) - 1))
+        });
+        self.slot_word(p, s, I_LIMIT)
+            .compare_exchange(seen, v, AcqRel, Acquire)
             .is_ok()
     }
 

@@ -40,6 +40,9 @@ pub enum BalancerKind {
     /// Consistent hashing with bounded loads on a request's affinity key (SPEC §15); a
     /// request without a key is placed as by `LeastConnections`.
     Affinity,
+    /// SPEC §17: the most headroom under the request's objective by each instance's latency
+    /// model (without an objective, the lowest predicted latency).
+    Predicted,
 }
 
 /// Where an affinity-balanced grant landed relative to its key (SPEC §15, the values of

@@ -582,3 +582,106 @@ fn a_thousand_tenants_leave_the_tables_bounded() {
         "no tenant had to share the overflow count"
     );
 }
+
+/// SPEC §17 with workers: "an adaptive limit is the instance's cap that §12 shares" — one
+/// worker's completions judge it, the other's cap follows, and the cap holds across both.
+#[test]
+fn an_adaptive_limit_is_one_cap_across_workers() {
+    let r = region(2);
+    let mut a = Pool::new(PoolConfig::default(), 1).unwrap();
+    a.attach(r, 42, 0).unwrap();
+    a.add_instance_full(32, Some(100), true).unwrap();
+    let mut b = Pool::new(PoolConfig::default(), 1).unwrap();
+    b.attach(r, 42, 1).unwrap();
+    b.add_instance_full(32, Some(100), true).unwrap();
+    let start = a.instances()[0].limit;
+    assert_eq!(start, b.instances()[0].limit);
+    // worker a runs windows of requests whose TPOT stays flat: the limit grows
+    let mut t = 0;
+    for w in 1..=4u64 {
+        let now = w * 1_000;
+        let mut granted = Vec::new();
+        for _ in 0..a.instances()[0].limit {
+            t += 1;
+            if let Ok(Admit::Granted(_)) = a.submit(t, Priority::High, 0, 0, 0, now) {
+                granted.push(t);
+            }
+        }
+        for _ in 0..20 {
+            // 16+ samples per window: each request streams 11 tokens at 10 ms
+            for &g in &granted {
+                a.first_token(g, now);
+            }
+            for &g in &granted {
+                a.release_with(g, Outcome::Success, 0, 11, now + 100)
+                    .unwrap();
+            }
+            granted.clear();
+            for _ in 0..a.instances()[0].limit {
+                t += 1;
+                if let Ok(Admit::Granted(_)) = a.submit(t, Priority::High, 0, 0, 0, now) {
+                    granted.push(t);
+                }
+            }
+        }
+        for &g in &granted {
+            a.release(g, Outcome::Success, 0, now + 100).unwrap();
+        }
+    }
+    let grown = a.instances()[0].limit;
+    assert!(grown > start, "{start} -> {grown}");
+    // b never saw a completion, yet its cap is the same limit once it looks
+    b.tick(5_000);
+    assert_eq!(b.instances()[0].limit, grown);
+    // and the cap holds across both: b fills what a leaves of it
+    let mut n = 0;
+    while let Ok(Admit::Granted(_)) = b.submit(1_000_000 + n, Priority::High, 0, 0, 0, 5_000) {
+        n += 1;
+    }
+    assert_eq!(n as u32, grown);
+    assert_eq!(
+        a.submit(2_000_000, Priority::High, 0, 0, 0, 5_000),
+        Ok(Admit::Queued(Priority::High))
+    );
+    // switched off in one worker: the shared limit is cleared, every worker's cap is max again
+    a.set_adaptive(0, false, 5_000).unwrap();
+    b.set_adaptive(0, false, 5_000).unwrap();
+    assert_eq!(r.limit(0, 0).1, None);
+}
+
+/// SPEC §17 with workers: "deadlines are compared across workers" — a request with an earlier
+/// deadline waiting in one worker is granted before an earlier arrival with a later deadline
+/// waiting in another.
+#[test]
+fn the_earliest_deadline_wins_across_workers() {
+    use gateway_core::Request;
+    let r = region(2);
+    let mut a = worker(r, 0, &[1], PoolConfig::default());
+    let mut b = worker(r, 1, &[1], PoolConfig::default());
+    let req = |deadline| Request {
+        deadline,
+        ..Request::default()
+    };
+    assert_eq!(
+        a.submit_request(1, Priority::High, req(0), &[], 0),
+        Ok(Admit::Granted(0))
+    );
+    // a's waiter arrived first with a 5 s objective, b's later with a 1 s one
+    assert_eq!(
+        a.submit_request(2, Priority::High, req(5_010), &[], 10),
+        Ok(Admit::Queued(Priority::High))
+    );
+    assert_eq!(
+        b.submit_request(1, Priority::High, req(1_020), &[], 20),
+        Ok(Admit::Queued(Priority::High))
+    );
+    // a frees the unit: b's head is due first, so a wakes b and keeps its own waiting
+    assert!(a.release(1, Outcome::Success, 0, 30).unwrap().is_empty());
+    assert_eq!(a.take_wakes(), 1 << 1);
+    let events = b.tick(30);
+    assert_eq!(
+        (events[0].ticket, events[0].kind),
+        (1, EventKind::Granted(0))
+    );
+    assert_eq!(a.waiting(), 1);
+}

@@ -47,6 +47,7 @@ mirror_enum!(
         RANDOM = Random,
         P2C = P2c,
         AFFINITY = Affinity,
+        PREDICTED = Predicted,
     }
 );
 mirror_enum!(

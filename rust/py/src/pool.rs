@@ -176,6 +176,24 @@ pub struct InstanceInfo {
     /// SPEC §15: prompt blocks the affinity index holds for it, and its bound.
     prefix_blocks: usize,
     prefix_capacity: usize,
+    /// SPEC §17: the current effective cap (`max_concurrency`, or the adaptive limit).
+    concurrency_limit: u32,
+    /// Whether the cap is adaptive.
+    adaptive: bool,
+    /// p90 TTFT and TPOT (ms) predicted for a typical request sent there now.
+    predicted_ttft_ms: f64,
+    predicted_tpot_ms: f64,
+    /// The models' mean absolute errors (ms), scored before each sample was learnt.
+    ttft_mae_ms: f64,
+    tpot_mae_ms: f64,
+    /// The share of samples within the p90 band.
+    ttft_coverage: f64,
+    tpot_coverage: f64,
+    /// Effective (decayed) TTFT samples, and TPOT's.
+    samples: f64,
+    tpot_samples: f64,
+    /// Whether the TTFT model may be trusted (what `PREDICTED` and `attainable` use).
+    calibrated: bool,
 }
 
 /// Cumulative counters of one pool.
@@ -301,14 +319,23 @@ impl Pool {
     }
 
     /// Adds an instance; returns its index. `ring_id` places it on the affinity hash ring: a
-    /// stable identity such as a hash of its name (default: its index).
-    #[pyo3(signature = (max_concurrency, ring_id = None))]
+    /// stable identity such as a hash of its name (default: its index). With `adaptive`
+    /// (SPEC §17) its cap is a gradient controller's limit, `max_concurrency` the ceiling.
+    #[pyo3(signature = (max_concurrency, ring_id = None, adaptive = false))]
     fn add_instance(
         &mut self,
         max_concurrency: u32,
         ring_id: Option<u64>,
+        adaptive: bool,
     ) -> Result<usize, CoreErr> {
-        Ok(self.inner.add_instance_with_id(max_concurrency, ring_id)?)
+        Ok(self
+            .inner
+            .add_instance_full(max_concurrency, ring_id, adaptive)?)
+    }
+
+    /// SPEC §17: turns an instance's adaptive limit on (it starts low) or off.
+    fn set_adaptive(&mut self, index: usize, adaptive: bool) -> Result<(), CoreErr> {
+        Ok(self.inner.set_adaptive(index, adaptive, 0)?)
     }
 
     /// SPEC §15 "Backend load": what a vLLM backend reports of itself — requests waiting
@@ -348,8 +375,12 @@ impl Pool {
     /// (0: none) places the request in an `AFFINITY` pool; `last_affinity()` then tells how.
     /// `prefix` (SPEC §15): the prompt's blocks; without a session key it places the request
     /// by the longest run of them an instance holds, and `last_matched_blocks()` tells how many.
+    /// SPEC §17: `deadline_ms` is arrival + the TTFT objective on the same clock (0: none —
+    /// FIFO); it orders the request within its tenant's queue, and a retry passing it again
+    /// keeps its place. `prompt_tokens` is the gateway's estimate of its prompt's size.
     #[pyo3(signature = (
-        ticket, priority, now_ms, tenant = 0, excluded = 0, affinity_key = 0, prefix = None
+        ticket, priority, now_ms, tenant = 0, excluded = 0, affinity_key = 0, prefix = None,
+        deadline_ms = 0, prompt_tokens = 0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn submit(
@@ -361,17 +392,19 @@ impl Pool {
         excluded: u64,
         affinity_key: u64,
         prefix: Option<PyRef<'_, Prefix>>,
+        deadline_ms: u64,
+        prompt_tokens: u32,
     ) -> Result<Option<usize>, CoreErr> {
         let p = core::Priority::from(priority);
-        let extra = (tenant, excluded, affinity_key);
-        let admit = match &prefix {
-            None => self
-                .inner
-                .submit(ticket, p, tenant, excluded, affinity_key, now_ms)?,
-            Some(b) => self
-                .inner
-                .submit_prefixed(ticket, p, extra, &b.blocks, now_ms)?,
+        let req = core::Request {
+            tenant,
+            excluded,
+            affinity_key,
+            deadline: deadline_ms,
+            prompt_tokens,
         };
+        let blocks = prefix.as_ref().map_or(&[][..], |b| &b.blocks[..]);
+        let admit = self.inner.submit_request(ticket, p, req, blocks, now_ms)?;
         Ok(match admit {
             core::Admit::Granted(i) => Some(i),
             core::Admit::Queued(_) => None,
@@ -404,20 +437,54 @@ impl Pool {
         self.inner.cancel(ticket)
     }
 
-    #[pyo3(signature = (ticket, outcome, now_ms, retry_after_ms = 0))]
+    /// An attempt ended. On success `output_tokens` (0: unknown) teaches the instance's
+    /// latency model its TPOT (SPEC §17).
+    #[pyo3(signature = (ticket, outcome, now_ms, retry_after_ms = 0, output_tokens = 0))]
     fn release(
         &mut self,
         ticket: u64,
         outcome: Outcome,
         now_ms: u64,
         retry_after_ms: u64,
+        output_tokens: u32,
     ) -> Result<Events, CoreErr> {
-        Ok(encode(self.inner.release(
+        Ok(encode(self.inner.release_with(
             ticket,
             outcome.into(),
             retry_after_ms,
+            output_tokens,
             now_ms,
         )?))
+    }
+
+    /// SPEC §17: the first content token of granted attempt `ticket` reached the gateway; its
+    /// TTFT trains the instance's model. No-op for an unknown ticket or a second call.
+    fn first_token(&mut self, ticket: u64, now_ms: u64) {
+        self.inner.first_token(ticket, now_ms);
+    }
+
+    /// SPEC §17: (p90 TTFT ms, p90 TPOT ms) of a request of `prompt_tokens` sent to instance
+    /// `index` now.
+    fn predict(
+        &mut self,
+        index: usize,
+        prompt_tokens: u32,
+        now_ms: u64,
+    ) -> Result<(f64, f64), CoreErr> {
+        Ok(self.inner.predict(index, prompt_tokens, now_ms)?)
+    }
+
+    /// SPEC §17 "Unattainable": 0 when some instance of this pool is predicted to meet
+    /// `deadline_ms` (or the model is not calibrated: fail open); else a Retry-After in ms.
+    fn attainable(
+        &mut self,
+        priority: Priority,
+        deadline_ms: u64,
+        prompt_tokens: u32,
+        now_ms: u64,
+    ) -> u64 {
+        self.inner
+            .attainable(priority.into(), deadline_ms, prompt_tokens, now_ms)
     }
 
     fn record_probe(&mut self, index: usize, ok: bool, now_ms: u64) -> Result<Events, CoreErr> {
@@ -479,6 +546,9 @@ impl Pool {
         let i = &self.inner.instances()[index];
         let extra = self.inner.extra(index)?;
         let (held, capacity, _) = self.inner.prefix_index(index);
+        let (limit, adaptive) = (i.limit, self.inner.model(index)?.adaptive());
+        let model = self.inner.model_view(index, now_ms)?;
+        let i = &self.inner.instances()[index];
         let b = &i.breaker;
         Ok(InstanceInfo {
             state: state.into(),
@@ -496,6 +566,17 @@ impl Pool {
             cache_permille: extra.cache_permille,
             prefix_blocks: held,
             prefix_capacity: capacity,
+            concurrency_limit: limit,
+            adaptive,
+            predicted_ttft_ms: model.ttft_ms,
+            predicted_tpot_ms: model.tpot_ms,
+            ttft_mae_ms: model.ttft_mae_ms,
+            tpot_mae_ms: model.tpot_mae_ms,
+            ttft_coverage: model.ttft_coverage,
+            tpot_coverage: model.tpot_coverage,
+            samples: model.ttft_samples,
+            tpot_samples: model.tpot_samples,
+            calibrated: model.calibrated,
         })
     }
 

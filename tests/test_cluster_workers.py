@@ -1,0 +1,401 @@
+"""SPEC §12 × §13: `cluster:` with `--workers N` is one replica per host — its leased share of
+each instance is the cap the host's region enforces across its workers, and one worker per host
+(the member) talks to Redis. Real processes throughout: a real `redis-server`, two hosts of
+`gateway serve --workers 2`, and a mock backend that counts its own peak concurrency (and
+answers 429, counted, past its cap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from cluster_harness import Replica
+from gateway.cluster.host import HostSeat
+from gateway.sim.mock import MockBehavior, MockServer
+from redis_fixture import REDIS_SERVER, RedisServer
+from test_cluster import (
+    Load,
+    Result,
+    _quiet,
+    _small_config,
+    lease_records,
+    redis_server,  # noqa: F401  (the fixture)
+    until,
+)
+
+pytestmark = pytest.mark.skipif(
+    REDIS_SERVER is None, reason="redis-server is not installed (CI installs Debian's)"
+)
+
+
+def _fresh_connections() -> aiohttp.ClientSession:
+    # One connection per request: the kernel spreads them over the host's workers
+    # (SO_REUSEPORT), so every worker of both hosts serves some.
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0))
+
+
+async def _ask(session: aiohttp.ClientSession, rep: Replica) -> Result:
+    return await Load(session, [rep])._one(rep, stream=False)
+
+
+async def _host(session: aiohttp.ClientSession, rep: Replica) -> dict[str, Any]:
+    host: dict[str, Any] = (await rep.state(session))["cluster"]["host"]
+    return host
+
+
+async def _members(session: aiohttp.ClientSession, rep: Replica) -> set[int]:
+    """The member's pid as several answers (from whichever worker took each) tell it."""
+    pids = set()
+    for _ in range(6):
+        member = (await _host(session, rep))["member"]
+        pids.add(member["pid"] if member else None)
+    return pids
+
+
+async def _both_leased(redis: RedisServer) -> bool:
+    return set(await lease_records(redis)) == {"h1", "h2"}
+
+
+async def test_two_hosts_of_two_workers_never_overrun_a_backend(
+    tmp_path: Path,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """Issue 20 "Done when": two replicas with `--workers 2` each on one Redis, one instance
+    with `max_concurrency: 4`, 40 concurrent slow requests spread over both replicas and all
+    four workers: the backend never sees more than 4, none fails; Redis knows two replicas
+    (one per host, not one per worker); any worker shows its host's cluster block; at rest
+    nothing is in flight or queued."""
+    mock = MockServer(MockBehavior(latency_ms=250, max_concurrency=4))
+    await mock.start()
+    config = _small_config(redis_server.url, mock)
+    hosts = [Replica(tmp_path, f"h{i + 1}", config, workers=2) for i in range(2)]
+    async with _fresh_connections() as session:
+        try:
+            for rep in hosts:
+                rep.start()
+            for rep in hosts:
+                await rep.wait_ready(session)
+            await until(lambda: _both_leased(redis_server), 5, "both hosts leased")
+            started = time.monotonic()
+            results = await asyncio.gather(*(_ask(session, hosts[i % 2]) for i in range(40)))
+            took = time.monotonic() - started
+            records = await lease_records(redis_server)
+            blocks = [(await rep.state(session))["cluster"] for rep in hosts for _ in range(4)]
+            await until(lambda: _quiet(session, hosts), 10, "quiet")
+            waiting = [
+                (await rep.state(session))["pools"]["p"]["instances"][0]["in_flight"]
+                for rep in hosts
+            ]
+        finally:
+            for rep in hosts:
+                rep.stop()
+            await mock.stop()
+    statuses = [r.status for r in results]
+    assert statuses == [200] * 40, {s: statuses.count(s) for s in set(statuses)}
+    assert mock.stats.peak_in_flight <= 4 and mock.stats.rejected == 0
+    # The host's lease is the cap across its workers, and the two hosts use the whole 4.
+    assert mock.stats.peak_in_flight == 4
+    # 40 x 250 ms over 4 slots is 2.5 s.
+    assert took < 10, f"40 requests took {took:.1f} s"
+    assert set(records) == {"h1", "h2"}, records  # one replica per host, not per worker
+    for block in blocks:
+        assert block["host"]["workers"] == 2 and block["host"]["member"] is not None
+        assert block["replica_id"] in ("h1", "h2") and block["status"] == "ok"
+    assert waiting == [0, 0]
+    print(f"40 answered 200 in {took:.2f} s; backend peak {mock.stats.peak_in_flight}")
+
+
+async def test_kill_9_of_the_member_keeps_its_host_serving(
+    tmp_path: Path,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """The process that talks to Redis for a host is killed (-9) under load: the host's other
+    worker keeps serving within the lease (no answer other than 200 — only requests on the
+    killed worker's own connections may fail), takes the member role over within a lease and
+    renews the host's lease under the same replica id (Redis never sees a third replica), the
+    backend never sees more than 4, and at rest nothing is in flight or queued."""
+    mock = MockServer(MockBehavior(latency_ms=100, max_concurrency=4))
+    await mock.start()
+    config = _small_config(redis_server.url, mock)
+    hosts = [Replica(tmp_path, f"h{i + 1}", config, workers=2) for i in range(2)]
+    async with _fresh_connections() as session:
+        load = Load(session, hosts)
+        try:
+            for rep in hosts:
+                rep.start()
+            for rep in hosts:
+                await rep.wait_ready(session)
+            await until(lambda: _both_leased(redis_server), 5, "both hosts leased")
+            members = await _members(session, hosts[0])
+            assert len(members) == 1 and None not in members, members
+            (victim,) = members
+            load.start(12)
+            await until(lambda: len(load.results) >= 20, 10, "load running")
+            os.kill(victim, signal.SIGKILL)
+            killed = time.monotonic()
+
+            async def moved() -> bool:
+                pids = await _members(session, hosts[0])
+                return len(pids) == 1 and victim not in pids and None not in pids
+
+            took_over = await until(moved, 5, "the member role came back")
+            # The load goes on across the takeover; then a lease's worth more.
+            await asyncio.sleep(1.5)
+            records = await lease_records(redis_server)
+            await load.stop()
+            await until(lambda: _quiet(session, hosts), 10, "quiet")
+            after = [r for r in load.results if r.seconds >= killed]
+            state = (await hosts[0].state(session))["cluster"]
+        finally:
+            load.cancel()
+            for rep in hosts:
+                rep.stop()
+            await mock.stop()
+    assert set(records) == {"h1", "h2"}, records
+    failed = [r for r in load.results if r.status != 200]
+    # The killed worker's own connections die with it (at most the requests it held).
+    assert all(r.status is None for r in failed), failed[:5]
+    assert len(failed) <= 12, failed
+    assert len([r for r in after if r.status == 200]) >= 20
+    assert mock.stats.peak_in_flight <= 4 and mock.stats.rejected == 0
+    assert state["status"] == "ok" and state["host"]["member"]["pid"] != victim
+    print(
+        f"member role back after {took_over:.2f} s; {len(failed)} of {len(load.results)}"
+        " requests lost with the killed worker's connections"
+    )
+
+
+async def _lease_on(session: aiohttp.ClientSession, rep: Replica) -> int:
+    lease: int = (await rep.state(session))["pools"]["p"]["instances"][0]["lease"]
+    return lease
+
+
+async def _follower_session(rep: Replica) -> aiohttp.ClientSession:
+    """A session whose one keep-alive connection landed on a worker of `rep` that is not its
+    member (the kernel picks the worker per connection: new ones until one does)."""
+    for _ in range(50):
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+        state = await rep.state(session)
+        if state["cluster"]["host"]["member"]["worker"] != state["worker"]:
+            return session
+        await session.close()
+    raise AssertionError("no connection reached the non-member worker")
+
+
+async def test_an_idle_hosts_other_worker_gets_a_share_while_another_host_is_busy(
+    tmp_path: Path,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """SPEC §13 "Shares follow demand", with the demand of the whole host: host h1 is busy with
+    all 4 slots, so idle h2 holds none; then requests reach h2's worker that does not talk to
+    Redis. They wait there for a lease — before the shared queue, where the member would not
+    see them — so the member adds them to the host's demand: h2 gets slots from h1 within a
+    few renew periods, long before h1's backlog is done. The backend never sees more than 4."""
+    mock = MockServer(MockBehavior(latency_ms=300, max_concurrency=4))
+    await mock.start()
+    config = _small_config(redis_server.url, mock)
+    hosts = [Replica(tmp_path, f"h{i + 1}", config, workers=2) for i in range(2)]
+    followers: list[aiohttp.ClientSession] = []
+    async with _fresh_connections() as session:
+        try:
+            for rep in hosts:
+                rep.start()
+            for rep in hosts:
+                await rep.wait_ready(session)
+            await until(lambda: _both_leased(redis_server), 5, "both hosts leased")
+            followers = [await _follower_session(hosts[1]) for _ in range(2)]
+            started = time.monotonic()
+            busy = [asyncio.create_task(_ask(session, hosts[0])) for _ in range(60)]
+
+            async def h2_idle() -> bool:
+                return await _lease_on(session, hosts[1]) == 0
+
+            await until(h2_idle, 5, "the idle host's share went to the busy one")
+            late = time.monotonic()
+            mine = await asyncio.gather(*(_ask(f, hosts[1]) for f in followers))
+            served_in = time.monotonic() - late
+            theirs = await asyncio.gather(*busy)
+            backlog = time.monotonic() - started
+            await until(lambda: _quiet(session, hosts), 10, "quiet")
+        finally:
+            for f in followers:
+                await f.close()
+            for rep in hosts:
+                rep.stop()
+            await mock.stop()
+    assert [r.status for r in mine] == [200] * 2, [r.status for r in mine]
+    assert [r.status for r in theirs] == [200] * 60
+    assert mock.stats.peak_in_flight <= 4 and mock.stats.rejected == 0
+    # h1's backlog alone is 60 x 300 ms over 4 slots = 4.5 s; h2's must not wait for it.
+    assert served_in < backlog - 2.0, f"h2 served in {served_in:.2f} s, backlog {backlog:.2f} s"
+    print(f"the idle host's other worker served in {served_in:.2f} s (backlog {backlog:.2f} s)")
+
+
+def test_host_seat_one_member_and_what_the_workers_tell_it(tmp_path: Path) -> None:
+    """The member role is one exclusive lock (a second seat cannot take it until the holder
+    gives it up or dies); a publication is seen once per change; the member sums what the
+    others hold waiting and learns the lowest publication they all applied (0 while one of
+    them has not reported: the member then keeps every unexpired cap in its floor)."""
+    seats = [HostSeat(str(tmp_path), k, 3) for k in range(3)]
+    assert seats[0].try_lead() and seats[0].member
+    assert not seats[1].try_lead() and not seats[2].try_lead()
+    seats[0].publish({"seq": 7, "pools": {"p": {"slots": {"m0": 2}, "expiry_ms": 123}}})
+    seen = seats[1].changed()
+    assert seen is not None and seen["seq"] == 7
+    assert seats[1].changed() is None  # unchanged: one stat, nothing read
+    seats[1].report({"p": 3}, 7)
+    assert seats[0].others() == ({"p": 3}, 0)  # slot 2 has not reported
+    seats[2].report({"p": 1, "q": 0}, 6)
+    assert seats[0].others() == ({"p": 4}, 6)
+    seats[0].resign()
+    assert seats[2].try_lead() and not seats[1].try_lead()
+
+
+async def _member_session(rep: Replica) -> aiohttp.ClientSession:
+    """A session whose one keep-alive connection landed on `rep`'s member worker."""
+    for _ in range(50):
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+        state = await rep.state(session)
+        if state["cluster"]["host"]["member"]["worker"] == state["worker"]:
+            return session
+        await session.close()
+    raise AssertionError("no connection reached the member worker")
+
+
+def _workers_of(rep: Replica) -> list[int]:
+    assert rep.proc is not None
+    pid = rep.proc.pid
+    return [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+async def test_a_worker_stopped_through_a_shrink_never_lets_its_host_overrun(
+    tmp_path: Path,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """Host h1 is busy with all 4 slots; its worker that is not the member is stopped
+    (SIGSTOP) while host h2's load makes h1's lease shrink, and resumed before that lease
+    expires: the stopped worker's units stay in its host's in-flight count (the region) and so
+    in the floor h1 reports, the member keeps the old cap in that floor until the resumed
+    worker acknowledges the smaller one, and the resumed worker applies it: the backend never
+    sees more than 4 (the mock answers 429 and counts it past its cap), every request is
+    answered 200, and at rest nothing runs. (The acknowledgement matters when the stopped
+    worker held queued requests and few units — a timing this test does not force: it passed
+    three runs out of three with the held floor switched off.)"""
+    mock = MockServer(MockBehavior(latency_ms=150, max_concurrency=4))
+    await mock.start()
+    config = _small_config(redis_server.url, mock)
+    hosts = [Replica(tmp_path, f"h{i + 1}", config, workers=2) for i in range(2)]
+    async with _fresh_connections() as session:
+        first, second = Load(session, [hosts[0]]), Load(session, [hosts[1]])
+        stopped: int | None = None
+        to_member: aiohttp.ClientSession | None = None
+        try:
+            for rep in hosts:
+                rep.start()
+            for rep in hosts:
+                await rep.wait_ready(session)
+            await until(lambda: _both_leased(redis_server), 5, "both hosts leased")
+            first.start(12)
+
+            async def h1_all() -> bool:
+                return await _lease_on(session, hosts[0]) == 4
+
+            await until(h1_all, 5, "the busy host holds the whole cap")
+            to_member = await _member_session(hosts[0])  # the stopped worker answers nothing
+            member = (await _host(to_member, hosts[0]))["member"]["pid"]
+            (stopped,) = [pid for pid in _workers_of(hosts[0]) if pid != member]
+            os.kill(stopped, signal.SIGSTOP)
+            second.start(12)
+
+            async def h1_shrank() -> bool:
+                return await _lease_on(to_member, hosts[0]) < 4
+
+            await until(h1_shrank, 3, "the busy host's lease shrank for the other")
+            os.kill(stopped, signal.SIGCONT)
+            stopped = None
+            await asyncio.sleep(1.5)
+            await first.stop()
+            await second.stop()
+            await until(lambda: _quiet(session, hosts), 10, "quiet")
+        finally:
+            if stopped is not None:
+                os.kill(stopped, signal.SIGCONT)
+            if to_member is not None:
+                await to_member.close()
+            first.cancel()
+            second.cancel()
+            for rep in hosts:
+                rep.stop()
+            await mock.stop()
+    results = first.results + second.results
+    statuses = [r.status for r in results]
+    assert statuses == [200] * len(results), {s: statuses.count(s) for s in set(statuses)}
+    assert mock.stats.peak_in_flight <= 4 and mock.stats.rejected == 0
+    print(f"{len(results)} answered 200; backend peak {mock.stats.peak_in_flight}")
+
+
+async def test_a_reload_reaches_every_worker_of_a_host(
+    tmp_path: Path,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """`POST /admin/reload` to any worker of a cluster host reloads all of them (SPEC §12) and
+    the host's lease follows (SPEC §13): a second instance added to the config is leased and
+    serves from every worker, and the reload's answer carries no note about cluster settings.
+    The config names no `replica_id`: the default is the host name and the supervisor's pid,
+    one replica in Redis for the host, the same before and after the reload."""
+    first = MockServer(MockBehavior(latency_ms=5, max_concurrency=4))
+    second = MockServer(MockBehavior(latency_ms=5, max_concurrency=4))
+    await first.start()
+    await second.start()
+    config = _small_config(redis_server.url, first)
+    rep = Replica(tmp_path, "h1", config, workers=2)
+    import yaml
+
+    unnamed = yaml.safe_load(rep.config_path.read_text())
+    del unnamed["cluster"]["replica_id"]
+    rep.config_path.write_text(yaml.safe_dump(unnamed))
+    async with _fresh_connections() as session:
+        try:
+            rep.start()
+            await rep.wait_ready(session)
+            assert rep.proc is not None
+            host_id = f"{socket.gethostname()}-{rep.proc.pid}"
+            bigger = yaml.safe_load(rep.config_path.read_text())
+            bigger["pools"]["p"]["instances"].append(
+                {"name": "m1", "url": second.url, "model": "up", "max_concurrency": 4}
+            )
+            rep.config_path.write_text(yaml.safe_dump(bigger))
+            headers = {"Authorization": "Bearer admin-key-for-tests"}
+            async with session.post(rep.url + "/admin/reload", headers=headers) as resp:
+                assert resp.status == 200, await resp.text()
+                answer = await resp.json()
+
+            async def everywhere() -> bool:
+                for _ in range(6):  # fresh connections: both workers answer some
+                    state = await rep.state(session)
+                    leases = {i["name"]: i["lease"] for i in state["pools"]["p"]["instances"]}
+                    if leases.get("m1", 0) < 1:
+                        return False
+                return True
+
+            await until(everywhere, 5, "the new instance leased in every worker")
+            records = await lease_records(redis_server)
+            results = await asyncio.gather(*(_ask(session, rep) for _ in range(24)))
+            await until(lambda: _quiet(session, [rep]), 10, "quiet")
+        finally:
+            rep.stop()
+            await first.stop()
+            await second.stop()
+    assert [r.status for r in results] == [200] * 24
+    assert not any("cluster" in note for note in answer.get("notes", [])), answer
+    assert second.stats.completed > 0
+    assert list(records) == [host_id], records
