@@ -6,15 +6,20 @@ any worker, and a killed worker's bytes come back."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import signal
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
 
+from gateway import _core
+from gateway.errors import RateLimited
+from gateway.limits import HostLimits, KeyLimits
 from support import MockFactory
 from test_workers import Workers, _instances, workers
 
@@ -142,3 +147,41 @@ async def test_max_buffered_bytes_holds_per_host_and_a_killed_workers_bytes_come
             writer.close()
         await _buffered(gw, 0)
         await gw.assert_quiet()
+
+
+class _Ring:
+    """What `HostLimits` reads of a key ring: its tenants' names."""
+
+    def __init__(self, *names: str) -> None:
+        self.tenants = [SimpleNamespace(name=n) for n in names]
+
+
+def test_reloads_through_a_thousand_key_names_leave_the_key_table_bounded() -> None:
+    """SPEC §12/§16 in one process on one memfd: two workers' `HostLimits` share a key's
+    buckets (one minute's burst for both together), and reloads that replace the keys 1,000
+    times leave only the configured keys' entries in the region."""
+    fd = os.memfd_create("limits-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, _core.REGION_BYTES)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    regions = [_core.Region(fd, 2), _core.Region(fd)]
+    os.close(fd)
+    hosts = [HostLimits(regions[0], 0), HostLimits(regions[1], 1)]
+    ring = _Ring("a")
+    mine = KeyLimits(4, None)
+    passed = 0
+    for k in range(8):
+        limits = hosts[k % 2].of("a", mine, ring)
+        assert limits is not None and limits is not mine
+        try:
+            limits.admit(1)
+            passed += 1
+        except RateLimited as e:
+            assert e.headers["x-ratelimit-remaining-requests"] == "0"
+    assert passed == 4, "rpm 4 across both workers, not 4 each"
+    for n in range(1000):
+        ring = _Ring(f"key-{n}", f"key-{n + 1}")
+        for host in hosts:
+            for name in (f"key-{n}", f"key-{n + 1}"):
+                host.of(name, KeyLimits(10, 100), ring)
+        assert regions[0].tables()[2] == 2
+        assert all(len(h) == 2 for h in hosts)

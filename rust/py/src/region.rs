@@ -225,8 +225,8 @@ impl Region {
         Ok(self.inner.bucket_level(slot, tokens, per_minute, now_us))
     }
 
-    /// SPEC §16 what the region's tables hold: {"instance_cells": per pool slot in use,
-    /// "tenant_entries": likewise, "key_entries": n}.
+    /// SPEC §16 what the region's tables hold: (instance cells in use, per pool in use;
+    /// tenant entries in use, likewise; API key entries in use).
     fn tables(&self) -> (Vec<usize>, Vec<usize>, usize) {
         let pools: Vec<usize> = (0..shm::MAX_POOLS)
             .filter(|&p| self.inner.pool_in_use(p))
