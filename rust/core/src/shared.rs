@@ -22,6 +22,10 @@ use crate::types::{InstanceState, Millis, Priority, Tenant};
 /// by the supervisor; meanwhile no unit waits longer than this for it).
 const STALE_DEFER_MS: Millis = 1000;
 
+/// Tenant entries a worker with nothing waiting may keep joined (8 workers keep at most half
+/// the table).
+const KEEP_TENANTS: usize = 4;
+
 /// `slots[i]` of an instance that holds no cell (removed, and left once idle).
 const UNBOUND: usize = usize::MAX;
 
@@ -54,8 +58,9 @@ pub struct Shared {
     /// Worker slots to wake (a unit is free for what they have waiting).
     wakes: u64,
     /// Tenant table entries this worker joined, cached (joining scans the table). Left, and
-    /// emptied, whenever this worker has nothing waiting in the pool (SPEC §16: bounded by the
-    /// tenants waiting at once, not by every tenant ever seen).
+    /// emptied, whenever this worker has nothing waiting in the pool and holds more than
+    /// `KEEP_TENANTS` (SPEC §16: bounded by the tenants waiting at once, not by every tenant
+    /// ever seen).
     tenants: HashMap<Tenant, usize>,
     /// The latest turn given up to a peer.
     deferred: Option<Deferral>,
@@ -269,9 +274,11 @@ impl Shared {
         oldest: (Option<Millis>, Option<Millis>),
     ) {
         self.region.looked(self.pool, self.worker);
-        if counts == (0, 0) {
+        if counts == (0, 0) && self.tenants.len() > KEEP_TENANTS {
             // Nothing of ours waits: no tenant entry is ours to hold (SPEC §12 idle tenants
-            // are reclaimed; the last worker to leave one frees it).
+            // are reclaimed; the last worker to leave one frees it). A few are kept joined
+            // (the common case, a handful of keys, then costs no table scan per request):
+            // at most `KEEP_TENANTS` per worker, a fraction of the table.
             for (_, k) in self.tenants.drain() {
                 self.region.leave_tenant(self.pool, k, self.worker);
             }

@@ -572,7 +572,8 @@ fn a_thousand_tenants_leave_the_tables_bounded() {
         pools[w].release(t + 1, Outcome::Success, 0, now).unwrap();
         for pool in &mut pools {
             pool.tick(now);
-            assert!(pool.shared_tables().1 <= 2, "the cache follows what waits");
+            // What waits (two at most here), or a handful kept while nothing does.
+            assert!(pool.shared_tables().1 <= 5, "the cache follows what waits");
         }
     }
     assert!(r.tenant_cells_used(p) < gateway_core::shm::MAX_TENANTS);
