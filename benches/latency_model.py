@@ -8,9 +8,9 @@ Poisson arrivals at a share of the pair's capacity, prompts 200-3000 tokens, ans
 tokens. Every request is a stream: the core is told its first token (`first_token`) and its
 end with its output tokens (`release`), exactly as the gateway tells it.
 
-For every request, the p90 TTFT and TPOT the core predicted for it on its instance just
-before the grant (for a queued one: just before the release that granted it) are kept beside
-what it then took. Printed per load: the share
+For every request granted to an instance whose model was calibrated, the p90 TTFT and TPOT the
+core predicted for it there just before the grant (for a queued one: just before the release
+that granted it) are kept beside what it then took. Printed per load: the share
 of requests within their predicted p90 (coverage: 0.9 is exact), percentiles of the ratio
 actual / predicted-p90, the models' own mean absolute errors (scored before each sample was
 learnt) and how the grants split between the instances.
@@ -111,13 +111,15 @@ def run(load: float, seconds: float, seed: int) -> Run:
 
     plans: list[list[tuple[Sequence, int]]] = [[] for _ in engines]
 
-    def predictions(req_prompt: int, ms: int) -> list[tuple[float, float]] | None:
-        """Each instance's p90 TTFT and TPOT for a request now (None while uncalibrated)."""
-        if not all(pool.instance(k, ms).calibrated for k in range(len(engines))):
-            return None
-        return [pool.predict(k, req_prompt, ms) for k in range(len(engines))]
+    def predictions(req_prompt: int, ms: int) -> list[tuple[float, float] | None]:
+        """Each instance's p90 TTFT and TPOT for a request now (None where its model is not
+        calibrated: only calibrated predictions are judged)."""
+        return [
+            pool.predict(k, req_prompt, ms) if pool.instance(k, ms).calibrated else None
+            for k in range(len(engines))
+        ]
 
-    def deliver(evs: list, now: float, before: dict[int, list[tuple[float, float]] | None]) -> None:  # type: ignore[type-arg]
+    def deliver(evs: list, now: float, before: dict[int, list[tuple[float, float] | None]]) -> None:  # type: ignore[type-arg]
         for e in evs:
             if e.kind == EventKind.GRANTED:
                 req = reqs[e.ticket]
@@ -134,8 +136,7 @@ def run(load: float, seconds: float, seed: int) -> Run:
             before = predictions(req.prompt, ms)
             k = pool.submit(x, Priority.HIGH, ms, prompt_tokens=req.prompt)
             if k is not None:
-                if before is not None:
-                    req.predicted = before[k]
+                req.predicted = before[k]
                 start(req, k, now)
             else:
                 waiting.append(x)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import functools
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import aiohttp
@@ -15,6 +17,35 @@ from gateway.config import parse_config
 from gateway.server import Server
 from gateway.sim.mock import MockBehavior, MockServer
 from support import GatewayFactory, MockFactory, RunningGateway
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every async test ends within its timeout (the `timeout` mark, else the ini's), by the
+    loop's own clock. pytest-timeout's SIGALRM could not end a test awaiting something that
+    never comes on uvloop: its exception was raised in the loop's signal callback and
+    swallowed there, the loop stopped running its timers, and the run hung instead of failing
+    (a test that awaited a future nobody sets held the suite until the outer kill). So the
+    loop's timeout comes first, at three quarters of it, raising TimeoutError where the test
+    waits and leaving the rest for its clean-up; pytest-timeout (the thread method, see
+    pyproject) is the backstop that ends the run with every thread's stack."""
+    for item in items:
+        test = getattr(item, "obj", None)
+        if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(test):
+            marker = item.get_closest_marker("timeout")
+            seconds = float(marker.args[0] if marker else item.config.getini("timeout"))
+            if seconds > 0:
+                item.obj = _within(test, seconds * 0.75)
+
+
+def _within(
+    test: Callable[..., Awaitable[None]], seconds: float
+) -> Callable[..., Coroutine[Any, Any, None]]:
+    @functools.wraps(test)
+    async def bounded(*args: Any, **kwargs: Any) -> None:
+        async with asyncio.timeout(seconds):
+            await test(*args, **kwargs)
+
+    return bounded
 
 
 def pytest_asyncio_loop_factories(

@@ -86,7 +86,7 @@ def test_the_access_fields_are_the_event_fields() -> None:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("fmt", ["json", "text"])
 async def test_a_stderr_nobody_reads_never_stalls_requests(tmp_path: Path, fmt: str) -> None:
-    """The gateway's stderr is a pipe nobody reads while 3,000 requests (about 1 MB of access
+    """The gateway's stderr is a pipe nobody reads while 1,200 requests (300-400 KB of access
     lines, a pipe holds 64 KiB) are served: every one is answered promptly (the lines wait in
     the writer thread's bounded queue, not on the event loop), then every line arrives whole,
     with the key's name and token counts, and neither key anywhere."""
@@ -108,14 +108,15 @@ async def test_a_stderr_nobody_reads_never_stalls_requests(tmp_path: Path, fmt: 
                         out.append(r.status)
                 return out
 
-            statuses = await asyncio.wait_for(asyncio.gather(*(worker(100) for _ in range(30))), 60)
+            statuses = await asyncio.wait_for(asyncio.gather(*(worker(40) for _ in range(30))), 60)
         assert all(st == 200 for batch in statuses for st in batch)
     finally:
         log = await _stop(proc)
         await mock.stop()
     assert CLIENT_KEY not in log and UPSTREAM_KEY not in log
     lines = [ln for ln in log.splitlines() if "gateway.access" in ln]
-    assert len(lines) == 3000
+    assert len(lines) == 1200
+    assert sum(len(ln) + 1 for ln in lines) > 4 * 65536  # several pipes' worth
     if fmt == "json":
         for ln in lines:
             rec = orjson.loads(ln)

@@ -51,8 +51,11 @@ def test_predicted_learns_and_prefers_the_faster_instance() -> None:
     assert not fresh.calibrated and fresh.samples == 0
     now = warm(pool, [400, 40])
     slow, fast = pool.instance(0, now), pool.instance(1, now)
-    assert fast.calibrated and slow.calibrated
-    assert fast.samples >= 20
+    # both were calibrated in the warm-up (least connections until then); since, nearly every
+    # request went to the fast one, and the slow one's samples aged: it is explored now and
+    # then, still predicted from what it learnt
+    assert fast.calibrated and fast.samples >= 20
+    assert 0 < slow.samples < fast.samples
     assert fast.predicted_ttft_ms == pytest.approx(40, rel=0.25)
     assert slow.predicted_ttft_ms == pytest.approx(400, rel=0.25)
     assert fast.predicted_tpot_ms == pytest.approx(10, rel=0.25)
@@ -68,7 +71,9 @@ def test_predicted_learns_and_prefers_the_faster_instance() -> None:
         pool.first_token(ticket, now)
         now += 200
         pool.release(ticket, Outcome.SUCCESS, now, output_tokens=21)
-    assert placed == [1] * 10
+    # all but an exploration now and then (one placement in 16 while the slow one's model has
+    # lapsed, balancer.rs EXPLORE)
+    assert placed.count(1) >= 8, placed
 
 
 def test_attainable_fails_open_then_answers_a_retry_after() -> None:

@@ -26,6 +26,7 @@ from support import (
     simple_config,
 )
 from test_batch import jsonl, line, submit, wait_batch
+from test_workers import _instances, workers
 
 SLO = "X-Gateway-SLO"
 
@@ -224,7 +225,8 @@ async def test_the_access_log_carries_the_verdict(
 
 
 def _order(m: MockServer) -> list[str]:
-    return [r["body"]["messages"][0]["content"] for r in m.requests]
+    """The prompts of the chat requests the backend received, in order (probes left out)."""
+    return [r["body"]["messages"][0]["content"] for r in m.requests if isinstance(r["body"], dict)]
 
 
 async def _post(gw: RunningGateway, text: str, headers: dict[str, str]) -> tuple[int, str]:
@@ -320,12 +322,12 @@ async def test_an_unattainable_objective_is_shed_at_once_or_served_late(
     async with _client(gw) as client:
         t0 = time.monotonic()
         if shed:
-            # A 50 ms objective on a calibrated 200 ms instance: answered at once.
+            # A 120 ms objective on a calibrated 200 ms instance: answered at once.
             with pytest.raises(openai.APIStatusError) as err:
                 await client.chat.completions.create(
                     model="m",
                     messages=[{"role": "user", "content": "hurry"}],
-                    extra_headers={"x-slo-ttft-ms": "50"},
+                    extra_headers={"x-slo-ttft-ms": "120"},
                 )
             took = time.monotonic() - t0
             resp = err.value.response
@@ -335,14 +337,16 @@ async def test_an_unattainable_objective_is_shed_at_once_or_served_late(
             assert body["code"] == "slo_unattainable" and body["type"] == "server_error"
             assert int(resp.headers["Retry-After"]) >= 1
             assert resp.headers[SLO] == "missed"
-            assert took < 0.05 + 0.2  # within its own deadline's order, not after a wait
+            # Answered before its own deadline would have passed (measured: ~5 ms), instead of
+            # being served late.
+            assert took < 0.12
             # An attainable objective in the same pool is served.
             verdict, _ = await _ask(client, {"x-slo-ttft-ms": str(objective_ms)})
             assert verdict == "met"
             counts = await _slo_counts(gw)
             assert counts[("high", "shed")] == 1 and counts[("high", "met")] == 1
         else:
-            verdict, raw = await _ask(client, {"x-slo-ttft-ms": "50"}, text="hurry")
+            verdict, raw = await _ask(client, {"x-slo-ttft-ms": "120"}, text="hurry")
             assert raw.http_response.status_code == 200 and verdict == "missed"
             assert await _slo_counts(gw) == {("high", "missed"): 1}
     await gw.assert_quiet()
@@ -519,3 +523,61 @@ async def test_a_batch_line_takes_the_time_left_in_its_window(
     assert [e.slo for e in lines] == ["met"] * 5
     assert await _slo_counts(gw) == {("low", "met"): 5}
     await gw.assert_quiet()
+
+
+async def test_a_reload_turns_adaptive_concurrency_on_and_off(
+    mocks: MockFactory, gateway_factory: GatewayFactory
+) -> None:
+    m = await mocks(latency_ms=5)
+    config = simple_config(pool_config((m, 6)))
+    gw = await gateway_factory(config)
+    inst = (await gw.state())["pools"]["p"]["instances"][0]
+    assert (inst["adaptive"], inst["concurrency_limit"]) == (False, 6)
+    config["pools"]["p"]["instances"][0]["max_concurrency"] = {"max": 6, "adaptive": True}
+    status, _ = await gw.reload(config)
+    assert status == 200
+    inst = (await gw.state())["pools"]["p"]["instances"][0]
+    assert inst["adaptive"] is True and 1 <= inst["concurrency_limit"] <= 6
+    assert inst["max_concurrency"] == 6
+    config["pools"]["p"]["instances"][0]["max_concurrency"] = 3
+    status, _ = await gw.reload(config)
+    assert status == 200
+    inst = (await gw.state())["pools"]["p"]["instances"][0]
+    assert (inst["adaptive"], inst["concurrency_limit"], inst["max_concurrency"]) == (False, 3, 3)
+    async with _client(gw) as client:
+        assert (await _ask(client))[0] == "none"
+    await gw.assert_quiet()
+
+
+# ---- several workers -------------------------------------------------------------------------
+
+
+async def test_deadlines_are_compared_across_workers(tmp_path: Path, mocks: MockFactory) -> None:
+    """SPEC §17: "With --workers ... deadlines are compared across workers": requests queued
+    in two worker processes for one slot are served earliest deadline first, whichever
+    worker holds them; and X-Gateway-SLO is answered by every worker."""
+    m = await mocks(latency_ms=20)
+    async with workers(tmp_path, 2, _instances((m, 1))) as gw:
+
+        async def send(text: str, objective: int | None) -> tuple[int, str]:
+            headers = {} if objective is None else {"x-slo-ttft-ms": str(objective)}
+            async with gw.session.post(
+                gw.url + "/v1/chat/completions", json=chat(text), headers=headers
+            ) as resp:
+                await resp.read()
+                return resp.status, resp.headers[SLO]
+
+        m.configure(latency_ms=2000)
+        blocker = asyncio.create_task(send("blocker", None))
+        await gw.until(lambda s: s["pools"]["p"]["in_flight"] == 1)
+        m.configure(latency_ms=20)
+        plan = [("t9000", 9000), ("t3000", 3000), ("none", None), ("t6000", 6000), ("t2000", 2000)]
+        tasks = []
+        for n, (text, objective) in enumerate(plan, start=1):
+            tasks.append(asyncio.create_task(send(text, objective)))
+            await gw.until(lambda s, n=n: s["pools"]["p"]["queued"]["high"] == n)
+        results = await asyncio.gather(blocker, *tasks)
+        assert [status for status, _ in results] == [200] * 6
+        assert [verdict for _, verdict in results] == ["none", "met", "met", "none", "met", "met"]
+        assert _order(m) == ["blocker", "t2000", "t3000", "t6000", "t9000", "none"]
+        await gw.assert_quiet()

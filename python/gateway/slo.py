@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Final
 
 from gateway.config import ClassSettings
 from gateway.errors import InvalidRequest
-from gateway.messages import message_chars
+from gateway.limits import prompt_tokens
 
 __all__ = [
     "TPOT_HEADERS",
@@ -33,7 +33,7 @@ __all__ = [
     "judge_answer",
     "judge_first_token",
     "objectives",
-    "prompt_tokens",
+    "prompt_tokens",  # the per-key tpm limit's estimate, without the completion budget
 ]
 
 # SPEC §17: "the header names llm-d's endpoint picker reads (it now also reads
@@ -77,19 +77,6 @@ def objectives(
     if tpot is None:
         tpot = key[1] if key[1] is not None else cls.slo_tpot_ms
     return ttft, tpot
-
-
-def prompt_tokens(body: Mapping[str, Any]) -> int:
-    """The prompt's size in tokens, estimated as the per-key `tpm` limit estimates it (about
-    four characters a token), without its completion budget."""
-    chars = message_chars(body.get("messages"))
-    for field in ("prompt", "input"):
-        value = body.get(field)
-        if isinstance(value, str):
-            chars += len(value)
-        elif isinstance(value, list):
-            chars += sum(len(v) for v in value if isinstance(v, str))
-    return chars // 4 + 1
 
 
 def _within(ttft_ms: int | None, tpot_ms: int | None, elapsed_ms: float, tokens: int) -> bool:

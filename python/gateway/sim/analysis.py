@@ -1,5 +1,6 @@
 """What a demo run shows, computed from its `DemoResult`: waits per class, the grants the
-policy chose, instance states over time, the crash story, retries, prefix-cache hits.
+policy chose, instance states over time, the crash story, retries, prefix-cache hits, the
+latency objectives' verdicts and the adaptive limits (SPEC §17).
 
 Pure functions of the observations (no I/O), so the summary, the report and the benchmarks
 (`benches/policies.py`) compute them one way.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -25,15 +27,22 @@ __all__ = [
     "both_waiting",
     "contended_grants",
     "crash_story",
+    "goodput",
     "grant_buckets",
+    "limit_series",
     "pool_names",
     "prefix_hit_rate",
     "queue_waits",
     "retried",
+    "slo_verdicts",
     "state_bands",
     "transitions",
+    "verdict_buckets",
     "wait_times",
 ]
+
+# SPEC §17's verdicts of a request with an objective (`RequestFinished.slo`).
+VERDICTS: Final = ("met", "missed", "shed")
 
 
 def wait_times(samples: Sequence[Sample], cls: str, pool: str | None = None) -> list[float]:
@@ -255,3 +264,67 @@ def prefix_hit_rate(result: DemoResult) -> float | None:
     hits = sum(h for h, _ in result.prefix_cache.values())
     lookups = hits + sum(m for _, m in result.prefix_cache.values())
     return hits / lookups if lookups else None
+
+
+# ---- SPEC §17: latency objectives -----------------------------------------------------------
+
+
+def _judged(result: DemoResult) -> list[RequestFinished]:
+    """The clients' requests (not the Batch API's lines) the gateway judged against an
+    objective, in the scenario's two classes."""
+    return [
+        ev
+        for ev in result.capture.answered.values()
+        if ev.source != "batch" and ev.slo in VERDICTS and ev.priority in CLASS_NAME
+    ]
+
+
+def slo_verdicts(result: DemoResult, pool: str | None = None) -> dict[str, Counter[str]]:
+    """Per class (high, low): how many of the clients' requests met, missed or were shed
+    from their objective, as the gateway judged them (its access log's `slo` field), in
+    `pool` or anywhere."""
+    out: dict[str, Counter[str]] = {cls: Counter() for cls in CLASS_NAME}
+    for ev in _judged(result):
+        if pool is None or ev.pool == pool:
+            out[str(ev.priority)][str(ev.slo)] += 1
+    return out
+
+
+def goodput(verdicts: Counter[str]) -> float | None:
+    """Met ÷ all judged (shed and missed count against it); None when nothing was judged."""
+    total = sum(verdicts[v] for v in VERDICTS)
+    return verdicts["met"] / total if total else None
+
+
+def verdict_buckets(
+    result: DemoResult, cls: str, bucket: float = 1.0
+) -> tuple[list[float], list[float], list[float]]:
+    """(bucket starts, met, missed or shed) per `bucket` seconds for class `cls`, by the
+    moment each request ended."""
+    cap = result.capture
+    judged = [(cap.t(ev), ev.slo == "met") for ev in _judged(result) if ev.priority == cls]
+    end = max([result.end, *(t for t, _ in judged)], default=0.0)
+    n = math.ceil(end / bucket) + 1
+    met, missed = [0.0] * n, [0.0] * n
+    for t, ok in judged:
+        i = min(max(int(t / bucket), 0), n - 1)
+        if ok:
+            met[i] += 1
+        else:
+            missed[i] += 1
+    return [i * bucket for i in range(n)], met, missed
+
+
+def limit_series(
+    snapshots: Sequence[Snapshot], pool: str
+) -> dict[str, list[tuple[float, float, float]]]:
+    """Each adaptive instance of `pool`: (t, its concurrency limit, its in-flight count) at
+    every sample of the gateway's state."""
+    out: dict[str, list[tuple[float, float, float]]] = {}
+    for snap in snapshots:
+        for inst in snap.instances:
+            if inst.pool == pool and inst.adaptive:
+                out.setdefault(inst.name, []).append(
+                    (snap.t, float(inst.concurrency_limit), float(inst.in_flight))
+                )
+    return out

@@ -33,6 +33,7 @@ from gateway.server import Server
 from gateway.sim.mock import MockBehavior, MockServer
 from gateway.sim.report import fmt_ms, percentile
 from gateway.sim.scenario import (
+    BATCH_TTFT_MS,
     CHAT,
     COMPLEXITY_BY,
     CRASHED,
@@ -42,8 +43,10 @@ from gateway.sim.scenario import (
     HEAVY_SLOTS,
     LIGHT,
     LIGHT_BEHAVIOR,
+    LIGHT_KNEE,
     LIGHT_SLOTS,
     REALTIME_SHARE,
+    REALTIME_TTFT_MS,
     REJUDGE_CANCEL_WAIT_S,
     REJUDGE_POLL_S,
     SAMPLE_EVERY_S,
@@ -130,6 +133,9 @@ class InstanceView:
     max_concurrency: int
     consecutive_failures: int
     ejections: int
+    # SPEC §17: the cap in force — an adaptive instance's current limit, else max_concurrency.
+    concurrency_limit: int = 0
+    adaptive: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,15 +175,18 @@ def snapshot_of(t: float, state: dict[str, Any]) -> Snapshot:
         for inst in p.get("instances", []):
             if inst.get("removed"):
                 continue
+            cap = int(inst.get("max_concurrency", 1))
             instances.append(
                 InstanceView(
                     name=str(inst["name"]),
                     pool=name,
                     state=str(inst["state"]),
                     in_flight=int(inst.get("in_flight", 0)),
-                    max_concurrency=int(inst.get("max_concurrency", 1)),
+                    max_concurrency=cap,
                     consecutive_failures=int(inst.get("consecutive_failures", 0)),
                     ejections=int(inst.get("ejections", 0)),
+                    concurrency_limit=int(inst.get("concurrency_limit", cap)),
+                    adaptive=bool(inst.get("adaptive", False)),
                 )
             )
     return Snapshot(t, pools, tuple(instances))
@@ -262,7 +271,8 @@ class DemoResult:
     wall_s: float = 0.0
     summary: str = ""
     report_path: Path | None = None
-    # Pool light's backends at the end: instance name → (prefix-cache hits, misses).
+    # Pool light's backends at the end: instance name → (prefix-cache hits, misses), in
+    # prompt tokens (the engine model caches KV blocks).
     prefix_cache: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
@@ -308,8 +318,7 @@ async def run_demo(
         result = DemoResult(options, script, text, LogCapture(time.time()), rejudge)
         await _drive(result, server.gateway, server.url, jobs, crashed, out, stop, rejudge_file)
         result.prefix_cache = {
-            name: (m.stats.prefix_hits, m.stats.prefix_misses)
-            for (name, _), m in zip(LIGHT, mocks, strict=False)
+            name: _prefix_cache(m) for (name, _), m in zip(LIGHT, mocks, strict=False)
         }
     finally:
         if server is not None:
@@ -319,6 +328,15 @@ async def run_demo(
         store_dir.cleanup()
     result.wall_s = time.monotonic() - wall0
     return result
+
+
+def _prefix_cache(mock: MockServer) -> tuple[int, int]:
+    """(hits, misses) of the mock's prefix cache: prompt tokens for the engine model,
+    requests for the plain mock."""
+    engine = mock.engine
+    if engine is not None:
+        return engine.prefix_hits, engine.prefix_queries - engine.prefix_hits
+    return mock.stats.prefix_hits, mock.stats.prefix_misses
 
 
 def _behavior(model: str, shape: dict[str, Any], seed: int) -> MockBehavior:
@@ -635,7 +653,7 @@ class _Progress:
             f"{name} {p.queued_high}+{p.queued_low}" for name, p in snap.pools.items()
         )
         instances = " ".join(
-            f"{i.name} {i.in_flight}/{i.max_concurrency}"
+            f"{i.name} {i.in_flight}/{i.concurrency_limit or i.max_concurrency}"
             + ("" if i.state == "healthy" else f" {i.state.upper()}")
             for i in snap.instances
         )
@@ -686,10 +704,13 @@ def _print_intro(
     lines = [
         f"gateway {__version__} demo — backends, gateway and clients all in this process",
         f"  gateway   http://127.0.0.1:{port}  (GET /admin/state or open /dashboard meanwhile)",
-        f"  pools     light: {light} ({LIGHT_SLOTS} slots each, ~80 ms)",
+        f"  pools     light: {light} (continuous-batching engines with a knee at "
+        f"{LIGHT_KNEE} running; adaptive limit, at most {LIGHT_SLOTS})",
         f"            heavy: {heavy} ({HEAVY_SLOTS} slots each, ~600 ms heavy-tailed),"
         " fallback light",
         f"  policy    {policy} · balancer {options.balancer} · seed {options.seed}",
+        f"  objective realtime {REALTIME_TTFT_MS / 1000:g} s, batch {BATCH_TTFT_MS / 1000:g} s to "
+        "the first token (SPEC §17: earliest deadline first within a class)",
         f"  workload  {len(jobs)} requests in {options.duration:g} s: {backlog} batch queued at "
         f"once, a live stream at {options.rate:g}/s",
         f"            ({REALTIME_SHARE:.0%} realtime), an exam-deadline surge at {a:.3g}–{b:.3g} s",

@@ -17,6 +17,7 @@ import orjson
 __all__ = [
     "BACKLOG_COMPLEX_SHARE",
     "BACKLOG_PER_RATE_SECOND",
+    "BATCH_TTFT_MS",
     "CHAT",
     "CLASS_NAME",
     "COMPLEXITY_BY",
@@ -33,10 +34,12 @@ __all__ = [
     "LIGHT",
     "LIGHT_BALANCER",
     "LIGHT_BEHAVIOR",
+    "LIGHT_KNEE",
     "LIGHT_SLOTS",
     "PINNED_SHARE",
     "PROBE_INTERVAL_MS",
     "REALTIME_SHARE",
+    "REALTIME_TTFT_MS",
     "RECOVER_AT",
     "REJUDGE_CANCEL_WAIT_S",
     "REJUDGE_PER_RATE_SECOND",
@@ -63,16 +66,20 @@ __all__ = [
 LIGHT: Final = (("qwen-a", "Qwen2.5-7B-Instruct"), ("qwen-b", "Qwen2.5-7B-Instruct"))
 HEAVY: Final = (("gpt-4o", "gpt-4o"), ("ernie-4", "ernie-4.0-8k"))
 CRASHED: Final = "ernie-4"
-LIGHT_SLOTS: Final = 3
 HEAVY_SLOTS: Final = 2
+# Pool light's instances are continuous-batching engines (`gateway mock --engine`, SPEC §17's
+# "a mock that behaves like an engine"): one step loop each, every running sequence slowing
+# every other, and past LIGHT_KNEE running sequences each one more adds half a step's fixed
+# cost to every step (a backend past its knee: more in flight, each answer slower, fewer
+# answers a second). Their max_concurrency is a ceiling the gateway does not trust: it is
+# adaptive (SPEC §17), and the gateway looks for the limit below it.
+LIGHT_SLOTS: Final = 8
+LIGHT_KNEE: Final = 3
 LIGHT_BEHAVIOR: Final = {
-    "latency_ms": 80.0,
-    "latency_dist": "lognormal",
-    "latency_max_ms": 1500.0,
-    "tokens_per_s": 150.0,
-    # vLLM's prefix caching (SPEC §15): a cached prompt skips its prefill.
-    "prefix_cache": 6,
-    "prefill_us_per_char": 100.0,
+    "engine": "h100-7b",
+    "speed": 0.8,
+    "knee": LIGHT_KNEE,
+    "knee_ms": 3.0,
 }
 # Pool light balances by prompt prefix (SPEC §15): the same judge question goes back to the
 # Qwen instance that holds it in its KV cache, within (1 + ε) of the average load.
@@ -112,6 +119,11 @@ REJUDGE_POLL_S: Final = 0.5
 # After a stop, how long a cancelled re-judging batch may take to reach `cancelled`.
 REJUDGE_CANCEL_WAIT_S: Final = 3.0
 SAMPLE_EVERY_S: Final = 0.2
+# SPEC §17: each class's latency objective (its default `slo_ttft_ms`): a student waits
+# for a verdict (a non-streamed answer must be complete by then, a stream must have started);
+# a re-judging request may take its time but not forever.
+REALTIME_TTFT_MS: Final = 2000
+BATCH_TTFT_MS: Final = 20000
 
 # Prompts an online judge sends. The complex ones carry the keywords SPEC §4's classifier
 # looks for ("time complexity", "worst case", "prove", "optimize", 时间复杂度, 最坏情况,
@@ -279,7 +291,7 @@ def config_yaml(
     `batch_store` the Batch API's SQLite file (SPEC §14; the default path when None)."""
 
     def instances(
-        specs: Sequence[tuple[str, str]], urls: Sequence[str], slots: int, extra: str = ""
+        specs: Sequence[tuple[str, str]], urls: Sequence[str], slots: str, extra: str = ""
     ) -> str:
         return "".join(
             f'      - {{name: {name}, url: "{url}", model: {model}, max_concurrency: {slots}'
@@ -292,8 +304,11 @@ def config_yaml(
         "listen: {host: 127.0.0.1, port: 0}\n"
         "scheduler:\n"
         f"  policy: {options.policy}\n"
-        "  high: {capacity: 200, weight: 7, max_wait_ms: 30000}\n"
-        "  low: {capacity: 1000, weight: 3, max_wait_ms: 600000}\n"
+        # SPEC §17: the classes' objectives; queues serve the earliest deadline first.
+        "  high: {capacity: 200, weight: 7, max_wait_ms: 30000, "
+        f"slo_ttft_ms: {REALTIME_TTFT_MS}}}\n"
+        "  low: {capacity: 1000, weight: 3, max_wait_ms: 600000, "
+        f"slo_ttft_ms: {BATCH_TTFT_MS}}}\n"
         "  max_consecutive_high: 20\n"
         "  max_low_wait_ms: 5000\n"
         f"balancer: {options.balancer}\n"
@@ -313,11 +328,12 @@ def config_yaml(
         "  light:\n"
         f"    balancer: {LIGHT_BALANCER}   # prefix affinity: vLLM's prefix cache hits\n"
         "    instances:\n"
-        f"{instances(LIGHT, light, LIGHT_SLOTS, ', provider: vllm')}"
+        # SPEC §17: an adaptive limit under a hard ceiling (the engines have a knee).
+        f"{instances(LIGHT, light, f'{{max: {LIGHT_SLOTS}, adaptive: true}}', ', provider: vllm')}"
         "  heavy:\n"
         "    fallback: light\n"
         "    instances:\n"
-        f"{instances(HEAVY, heavy, HEAVY_SLOTS)}"
+        f"{instances(HEAVY, heavy, str(HEAVY_SLOTS))}"
         "models:\n"
         "  judge: {route: auto}\n"
         "  judge-lite: {pool: light}\n"

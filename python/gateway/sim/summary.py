@@ -18,21 +18,36 @@ from gateway.sim.analysis import (
     both_waiting,
     contended_grants,
     crash_story,
+    goodput,
     grant_buckets,
+    limit_series,
     pool_names,
     prefix_hit_rate,
     queue_waits,
     retried,
+    slo_verdicts,
     state_bands,
+    verdict_buckets,
     wait_times,
 )
 from gateway.sim.report import fmt_ms, percentile
 from gateway.sim.run import DemoResult, Sample, Snapshot
-from gateway.sim.scenario import CLASS_NAME, COMPLEXITY_BY, CRASHED, LIGHT_BALANCER
+from gateway.sim.scenario import (
+    BATCH_TTFT_MS,
+    CLASS_NAME,
+    COMPLEXITY_BY,
+    CRASHED,
+    LIGHT_BALANCER,
+    LIGHT_KNEE,
+    LIGHT_SLOTS,
+    REALTIME_TTFT_MS,
+)
 
 __all__ = ["CLASS_COLOR", "INSTANCE_COLOR", "STATE_COLOR", "render_report", "summarize"]
 
 CLASS_COLOR: Final = {"high": "#0072B2", "low": "#E69F00", "forced": "#CC79A7"}
+VERDICT_COLOR: Final = {"met": "#009E73", "missed": "#D55E00"}
+OBJECTIVE_MS: Final = {"high": REALTIME_TTFT_MS, "low": BATCH_TTFT_MS}
 STATE_COLOR: Final = {"healthy": "#009E73", "half_open": "#F0C419", "ejected": "#D55E00"}
 INSTANCE_COLOR: Final = {
     "qwen-a": "#0072B2",
@@ -76,6 +91,8 @@ def summarize(result: DemoResult) -> str:
         "",
         *_affinity_lines(result),
         *_scheduling_lines(result),
+        "",
+        *_slo_lines(result),
         "",
         *_routing_lines(result),
         "",
@@ -166,6 +183,35 @@ def _scheduling_lines(result: DemoResult) -> list[str]:
         f"  longest batch wait {fmt_ms(max(low_waits, default=math.nan))} · longest realtime "
         f"wait {fmt_ms(max(high_waits, default=math.nan))}"
     )
+    return lines
+
+
+def _pct_text(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _slo_lines(result: DemoResult) -> list[str]:
+    """SPEC §17: goodput per class (and per pool), and each adaptive limit's range."""
+    lines = [
+        f"latency objectives (SPEC §17) — realtime {REALTIME_TTFT_MS / 1000:g} s, batch "
+        f"{BATCH_TTFT_MS / 1000:g} s (the whole answer, or a stream's first token):"
+    ]
+    overall = slo_verdicts(result)
+    per_pool = {pool: slo_verdicts(result, pool) for pool in pool_names(result)}
+    for cls in ("high", "low"):
+        v = overall[cls]
+        pools = ", ".join(f"{pool} {_pct_text(goodput(p[cls]))}" for pool, p in per_pool.items())
+        lines.append(
+            f"  {CLASS_NAME[cls] + f' ({cls})':<16} met {v['met']:>4} · missed {v['missed']:>4} · "
+            f"shed {v['shed']:>3} · goodput {_pct_text(goodput(v))} ({pools})"
+        )
+    for name, points in limit_series(result.snapshots, "light").items():
+        limits = sorted(limit for _, limit, _ in points)
+        lines.append(
+            f"  adaptive limit {name}: {limits[0]:.0f}–{limits[-1]:.0f} "
+            f"(median {limits[len(limits) // 2]:.0f}; ceiling {LIGHT_SLOTS}, the engine's knee "
+            f"at {LIGHT_KNEE} running)"
+        )
     return lines
 
 
@@ -295,15 +341,18 @@ def render_report(result: DemoResult) -> str:
         ("Queues", queues),
         *_rejudge_section(result, x_range, ends),
         ("Balancing across instances", balancing),
+        ("Latency objectives: goodput and the adaptive limit", _slo_figures(result, x_range)),
         ("Health: the crash and the recovery", _health_figures(result, x_range, markers)),
         (
             "Latency by pool",
             [
                 (
                     _latency_chart(result),
-                    "light is lognormal around 80 ms; heavy is heavy-tailed (Pareto, mean "
-                    "600 ms) plus its slower token stream. Retries around the crash add to "
-                    "a few heavy requests.",
+                    "light runs on continuous-batching engines: an answer takes its prefill "
+                    "(skipped for a cached prompt prefix) and one engine step per token, and "
+                    "every running sequence lengthens every step; heavy is heavy-tailed "
+                    "(Pareto, mean 600 ms) plus its slower token stream. Retries around the "
+                    "crash add to a few heavy requests.",
                 )
             ],
         ),
@@ -344,7 +393,12 @@ def _intro(result: DemoResult) -> str:
         "What to look for: realtime keeps short waits while the batch backlog is worked off "
         "(7 of every 10 contested slots go to realtime, the other 3 keep batch moving); the "
         f"crashed instance is ejected within moments, its requests are retried on the other "
-        "instance, and once it restarts it is probed, tried half-open and restored."
+        "instance, and once it restarts it is probed, tried half-open and restored. "
+        f"Each class has a latency objective ({REALTIME_TTFT_MS / 1000:g} s for realtime, "
+        f"{BATCH_TTFT_MS / 1000:g} s for batch): the gateway judges every answer against it "
+        "(goodput per class), serves each queue earliest deadline first, and finds pool "
+        "light's concurrency limits from the engines' time per token instead of trusting a "
+        "configured number."
     )
 
 
@@ -483,6 +537,89 @@ def _in_flight_figure(
         f"prefix-cache hit rate {_rate_text(prefix_hit_rate(result))}."
     )
     return chart, caption
+
+
+def _slo_figures(result: DemoResult, x_range: tuple[float, float]) -> list[tuple[str, str]]:
+    """SPEC §17: the verdicts per second of each class, and pool light's adaptive limits."""
+    out = []
+    for cls in ("high", "low"):
+        starts, met, missed = verdict_buckets(result, cls)
+        v = slo_verdicts(result)[cls]
+        chart = report.bar_chart(
+            f"Objective verdicts per second — {CLASS_NAME[cls]}",
+            starts,
+            [
+                report.Bars(f"met ({v['met']})", met, VERDICT_COLOR["met"]),
+                report.Bars(
+                    f"missed or shed ({v['missed'] + v['shed']})", missed, VERDICT_COLOR["missed"]
+                ),
+            ],
+            y_label="answers per second",
+            spans=[_surge_span(result)],
+            **_time_axis(x_range, _markers(result)),
+            height=240,
+        )
+        caption = (
+            f"{CLASS_NAME[cls].capitalize()} requests as the gateway judged them against their "
+            f"class's objective ({OBJECTIVE_MS[cls] / 1000:g} s; X-Gateway-SLO, "
+            f"gateway_slo_requests_total), by the second they ended: goodput "
+            f"{_pct_text(goodput(v))}. Within a class the queue serves the earliest deadline "
+            "first; a request already past its deadline goes back to arrival order, so the "
+            "ones that can still make it go first."
+        )
+        out.append((chart, caption))
+    series: list[report.Series] = []
+    for name, points in limit_series(result.snapshots, "light").items():
+        color = INSTANCE_COLOR.get(name, "#000")
+        series.append(
+            report.Series(f"{name} limit", [(t, lim) for t, lim, _ in points], color, step=True)
+        )
+        series.append(
+            report.Series(
+                f"{name} in flight",
+                [(t, n) for t, _, n in points],
+                color,
+                step=True,
+                dashed=True,
+                width=1.0,
+            )
+        )
+    series.append(
+        report.Series(
+            f"ceiling (max {LIGHT_SLOTS})",
+            [(x_range[0], LIGHT_SLOTS), (x_range[1], LIGHT_SLOTS)],
+            "#888",
+            dashed=True,
+        )
+    )
+    series.append(
+        report.Series(
+            f"the engines' knee ({LIGHT_KNEE} running)",
+            [(x_range[0], LIGHT_KNEE), (x_range[1], LIGHT_KNEE)],
+            "#CC79A7",
+            dashed=True,
+        )
+    )
+    chart = report.line_chart(
+        "Adaptive concurrency limit — pool light",
+        series,
+        y_label="requests",
+        y_range=(0, LIGHT_SLOTS + 0.5),
+        y_ticks=range(LIGHT_SLOTS + 1),
+        **_time_axis(x_range, _markers(result)),
+        height=260,
+    )
+    caption = (
+        "Each light instance's concurrency limit (solid) and its requests in flight (dashed), "
+        "sampled from /admin/state every 200 ms. The instances are continuous-batching engines "
+        f"that slow every running sequence once more than {LIGHT_KNEE} run; the gateway's "
+        "gradient controller (SPEC §17) cuts an instance's limit when its time per output token "
+        "climbs well above the uncongested one and probes upwards again when it falls back, "
+        f"never above the ceiling ({LIGHT_SLOTS}). Requests beyond the limit wait in the "
+        "gateway's queue, where priorities and deadlines apply."
+    )
+    out.append((chart, caption))
+    return out
 
 
 def _health_figures(

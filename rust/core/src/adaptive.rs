@@ -23,8 +23,14 @@ use crate::types::Millis;
 pub const WINDOW_MS: Millis = 1000;
 /// Completions a window needs before it is judged.
 pub const MIN_SAMPLES: usize = 16;
-/// How far TPOT may rise above the base before the limit shrinks.
-pub const BUFFER: f64 = 0.25;
+/// How far TPOT may rise above the base before the limit shrinks: up to twice the uncongested
+/// TPOT. Envoy's 25 % suits RPCs; under continuous batching TPOT rises with the batch even when
+/// healthy (vLLM on an H100: 6.5 → 10.9 ms from 1 to 16 running), and on the engine mock (two
+/// `h100-7b`, one 3x slower, `benches/slo_core.py`, 2x load) a 25 % buffer held the limits at
+/// 12 / 7 of 16 and cost 47 % of batch throughput, 50 % still 34 %, 100 % 17 %. A backend past
+/// a real knee (flat to 4 running, then slower in proportion) still settles at 2–3× its knee,
+/// not at the demand.
+pub const BUFFER: f64 = 1.0;
 /// The limit a fresh adaptive instance starts at (at most its ceiling).
 pub const INITIAL: f64 = 4.0;
 const KEEP: usize = 64;
@@ -158,7 +164,7 @@ mod tests {
         }
         let tail = &limits[30..];
         assert!(
-            tail.iter().all(|&l| (4..=8).contains(&l)),
+            tail.iter().all(|&l| (4..=12).contains(&l)),
             "limits {limits:?}"
         );
     }
@@ -208,6 +214,6 @@ mod tests {
         }
         // 3x slower everywhere: the knee is where it was, and the limit comes back to it
         let l = g.limit(64);
-        assert!((3..=8).contains(&l), "limit {l}");
+        assert!((3..=12).contains(&l), "limit {l}");
     }
 }

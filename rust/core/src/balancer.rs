@@ -23,16 +23,21 @@
 //! - `affinity`: consistent hashing with bounded loads on the request's key (see
 //!   `affinity.rs`, placed by the pool); a request without a key goes as `least_connections`.
 //! - `predicted` (SPEC §17): the lowest predicted latency (`pick_scored`, scores from each
-//!   instance's latency model, see `latency.rs` and the pool); while some candidate's model is
-//!   not calibrated, `least_connections`. That is the exploration too: an instance that got
-//!   no traffic for minutes loses its calibration (its samples decay), the pool balances by
-//!   least connections until it has enough fresh samples (about 20), then predicts again — a
-//!   starved instance cannot stay starved on a stale model, and no random draw is needed.
+//!   instance's latency model, see `latency.rs` and the pool). While some candidate's model
+//!   has never been calibrated, `least_connections` (the warm-up). A candidate whose model is
+//!   not calibrated now (too few recent samples, or its p90 band off) still scores, and is explored
+//!   one decision in `EXPLORE` by least connections among such candidates: an instance that
+//!   got no traffic for minutes loses its calibration (its samples decay) and wins samples
+//!   back this way, so a stale model cannot starve it for good.
 
 use std::cmp::Ordering;
 
 use crate::rng::SplitMix64;
 use crate::types::BalancerKind;
+
+/// `predicted` explores its uncalibrated candidates one decision in this many (llm-d explores
+/// 1 %: with requests seconds long an instance would need minutes to calibrate again).
+pub const EXPLORE: usize = 16;
 
 /// How busy an instance is: `active / capacity` (compared exactly by cross-multiplying), then
 /// the backend's KV-cache usage.
@@ -139,15 +144,16 @@ impl Balancer {
 }
 
 impl Balancer {
-    /// SPEC §17: the candidate with the lowest `score` (ties: the first after the cursor); if
-    /// some candidate has no score (its model is not calibrated), least connections among all.
-    /// (Why not llm-d's 1 % random exploration of the others: an instance left out of the
-    /// warm-up while another calibrated first would get 1 % of the traffic for minutes.)
+    /// SPEC §17: the candidate with the lowest `score` (ties: the first after the cursor). If
+    /// some candidate has no score (its model was never calibrated), least connections among all;
+    /// else, one time in `EXPLORE` while some candidate is `unsure`, least connections among
+    /// those.
     pub fn pick_scored(
         &mut self,
         n: usize,
         candidate: impl Fn(usize) -> bool,
         score: impl Fn(usize) -> Option<f64>,
+        unsure: impl Fn(usize) -> bool,
         load: impl Fn(usize) -> Load,
     ) -> Option<usize> {
         if n == 0 {
@@ -156,6 +162,9 @@ impl Balancer {
         let mut best: Option<(usize, f64)> = None;
         let mut least: Option<(usize, Load)> = None;
         let mut unknown = false;
+        let mut doubtful = 0u64;
+        // Drawn first, so `unsure` (an `exp` per candidate) is asked only when exploring.
+        let explore = self.rng.below(EXPLORE) == 0;
         for k in 0..n {
             let i = (self.cursor + k) % n;
             if !candidate(i) {
@@ -173,11 +182,26 @@ impl Balancer {
                     if best.is_none_or(|(_, b)| s < b) {
                         best = Some((i, s));
                     }
+                    if explore && unsure(i) {
+                        doubtful |= 1 << i;
+                    }
                 }
                 None => unknown = true,
             }
         }
         let chosen = if unknown {
+            least.map(|(i, _)| i)
+        } else if doubtful != 0 {
+            let mut least: Option<(usize, Load)> = None;
+            for k in 0..n {
+                let i = (self.cursor + k) % n;
+                if doubtful & (1 << i) != 0 {
+                    let l = load(i);
+                    if least.is_none_or(|(_, b)| l < b) {
+                        least = Some((i, l));
+                    }
+                }
+            }
             least.map(|(i, _)| i)
         } else {
             best.map(|(i, _)| i)
@@ -269,13 +293,32 @@ mod tests {
         let mut b = Balancer::new(BalancerKind::Predicted, 7);
         let v = [(3, 4), (2, 4), (1, 4)];
         let known = |i: usize| [Some(50.0), Some(5.0), Some(9.0)][i];
+        let sure = |_| false;
         for _ in 0..5 {
-            assert_eq!(b.pick_scored(3, |_| true, known, loads(&v)), Some(1));
+            assert_eq!(b.pick_scored(3, |_| true, known, sure, loads(&v)), Some(1));
         }
-        // instance 2 is not calibrated: least connections over all, until it is
+        // instance 2 has no sample yet: least connections over all, until it has
         let partly = |i: usize| [Some(50.0), Some(5.0), None][i];
-        assert_eq!(b.pick_scored(3, |_| true, partly, loads(&v)), Some(2));
+        assert_eq!(b.pick_scored(3, |_| true, partly, sure, loads(&v)), Some(2));
         // ... but only among candidates
-        assert_eq!(b.pick_scored(3, |i| i != 2, partly, loads(&v)), Some(1));
+        assert_eq!(
+            b.pick_scored(3, |i| i != 2, partly, sure, loads(&v)),
+            Some(1)
+        );
+    }
+
+    #[test]
+    fn an_unsure_candidate_is_explored_now_and_then() {
+        let mut b = Balancer::new(BalancerKind::Predicted, 7);
+        let v = [(0, 4), (0, 4)];
+        let score = |i: usize| [Some(50.0), Some(5.0)][i];
+        let picks: Vec<_> = (0..1600)
+            .map(|_| {
+                b.pick_scored(2, |_| true, score, |i| i == 0, loads(&v))
+                    .unwrap()
+            })
+            .collect();
+        let explored = picks.iter().filter(|&&i| i == 0).count();
+        assert!((50..=150).contains(&explored), "{explored}");
     }
 }

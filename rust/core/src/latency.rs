@@ -44,6 +44,8 @@ pub const TAU_MS: f64 = 60_000.0;
 const RETAIN: f64 = 0.98;
 /// Effective samples before a model is trusted.
 pub const MIN_SAMPLES: f64 = 20.0;
+/// Effective samples before a model is asked at all by `attainable` (see `ttft_known`).
+pub const KNOWN: f64 = 5.0;
 const COVERAGE_LOW: f64 = 0.8;
 const COVERAGE_HIGH: f64 = 0.97;
 const RIDGE: f64 = 1e-3;
@@ -76,6 +78,8 @@ pub struct Ewls<const N: usize> {
     /// When θ was last solved for; samples since then wait for the next solve.
     solved_at: Millis,
     stale: bool,
+    /// It has been calibrated at some point (the warm-up is over).
+    warmed: bool,
 }
 
 impl<const N: usize> Default for Ewls<N> {
@@ -94,6 +98,7 @@ impl<const N: usize> Default for Ewls<N> {
             since_reset: 0,
             solved_at: 0,
             stale: false,
+            warmed: false,
         }
     }
 }
@@ -123,6 +128,11 @@ impl<const N: usize> Ewls<N> {
     pub fn calibrated(&self, now: Millis) -> bool {
         self.effective(now) >= MIN_SAMPLES
             && (COVERAGE_LOW..=COVERAGE_HIGH).contains(&self.coverage)
+    }
+
+    /// Whether it has ever been calibrated.
+    pub fn warmed(&self) -> bool {
+        self.warmed
     }
 
     pub fn mae_ms(&self) -> f64 {
@@ -194,6 +204,7 @@ impl<const N: usize> Ewls<N> {
             self.solved_at = now;
             self.stale = false;
         }
+        self.warmed |= self.calibrated(now);
     }
 
     /// Solves for θ if samples came since the last solve (`tick` calls it, so a burst's last
@@ -376,6 +387,13 @@ impl LatencyModel {
 
     pub fn tpot_calibrated(&self, now: Millis) -> bool {
         self.tpot.calibrated(now)
+    }
+
+    /// Whether the TTFT model has enough recent samples to be asked at all (`KNOWN`), if not
+    /// to be trusted as calibrated: what shedding and the hopeless-head horizon go by. Fewer,
+    /// and they fail open.
+    pub fn ttft_known(&self, now: Millis) -> bool {
+        self.ttft.effective(now) >= KNOWN
     }
 
     /// Solves both models for what they learnt since their last solve.

@@ -834,7 +834,10 @@ impl Pool {
             });
         };
         // SPEC §17 "Ordering": the deadline, or without an objective arrival + max_wait_ms.
-        let (key, objective) = if deadline > 0 {
+        // A high request spilled into low "then waits as low" (SPEC §3): in arrival order
+        // there, not ahead of every batch request by its realtime deadline (which would take
+        // low's share of the grants for the overflow of high's).
+        let (key, objective) = if deadline > 0 && class == priority {
             (deadline, true)
         } else {
             (now.saturating_add(self.max_wait(class)), false)
@@ -1300,7 +1303,7 @@ impl Pool {
     }
 
     /// The lowest p90 TTFT (ms) a request of `prompt` tokens is predicted on any instance that
-    /// is up, were it sent now; `None` while some instance's model is not calibrated.
+    /// is up, were it sent now; `None` while some instance's model has too few recent samples.
     fn fastest_ttft(&self, prompt: u32, now: Millis) -> Option<f64> {
         let mut best: Option<f64> = None;
         for (k, inst) in self.instances.iter().enumerate() {
@@ -1308,7 +1311,7 @@ impl Pool {
                 continue;
             }
             let m = &self.models[k];
-            if !m.latency.ttft_calibrated(now) {
+            if !m.latency.ttft_known(now) {
                 return None;
             }
             let f = m.features(inst, &self.extras[k], prompt, prompt);
@@ -1628,8 +1631,8 @@ impl Pool {
     }
 
     /// SPEC §17 "Unattainable": 0 when some instance of this pool is predicted to meet
-    /// `deadline` for a request of `class` and `prompt_tokens` (or some model that would have
-    /// to say is not calibrated: fail open); otherwise a Retry-After (ms, > 0): when it would
+    /// `deadline` for a request of `class` and `prompt_tokens` (or some instance's model has
+    /// too few recent samples to say, `LatencyModel::ttft_known`: fail open); otherwise a Retry-After (ms, > 0): when it would
     /// become attainable — the estimated queue wait ahead of it plus the time for its best
     /// instance to drain down to idle.
     pub fn attainable(
@@ -1653,7 +1656,7 @@ impl Pool {
                 continue;
             }
             let m = &self.models[k];
-            if !m.latency.ttft_calibrated(now) {
+            if !m.latency.ttft_known(now) {
                 return 0;
             }
             let extra = &self.extras[k];
@@ -2066,13 +2069,13 @@ fn pick(
 }
 
 /// Whether instance `k`, holding `matched` of the request's blocks, is predicted to meet its
-/// objective (no objective, or an uncalibrated model: yes — fail open).
+/// objective (no objective, or a model with too few recent samples: yes — fail open).
 fn meets(view: &Instances<'_>, k: usize, matched: u32, want: Want, now: Millis) -> bool {
     if want.deadline == 0 {
         return true;
     }
     let m = &view.models[k];
-    if !m.latency.ttft_calibrated(now) {
+    if !m.latency.ttft_known(now) {
         return true;
     }
     let f = m.features(
@@ -2087,8 +2090,8 @@ fn meets(view: &Instances<'_>, k: usize, matched: u32, want: Want, now: Millis) 
 /// SPEC §17 `balancer: predicted`: among candidates, the most headroom under the objective
 /// (deadline − now − p90 TTFT: the lowest p90 TTFT) for a request with one, else the lowest
 /// predicted latency (p90 TTFT + the typical output × mean TPOT). While some candidate's model
-/// is not calibrated, least connections (see `balancer.rs`: that is also how a starved
-/// instance wins its samples back).
+/// has never been calibrated, least connections; one calibrated once but not now is explored
+/// one decision in `EXPLORE` (see `balancer.rs`).
 fn pick_predicted(
     balancer: &mut Balancer,
     view: &Instances<'_>,
@@ -2097,39 +2100,52 @@ fn pick_predicted(
     lens: &[u32; 64],
     now: Millis,
 ) -> Option<usize> {
-    let score = |k: usize| {
-        let m = &view.models[k];
-        let ttft = m.latency.ttft_calibrated(now);
-        let f = m.features(
+    let features = |k: usize| {
+        view.models[k].features(
             &view.instances[k],
             &view.extras[k],
             want.prompt,
             want.uncached(lens[k]),
-        );
+        )
+    };
+    // A model that was calibrated once predicts, calibrated now or not (a rough prediction
+    // still orders a 10x faster instance first; a wrong one is corrected by the samples its
+    // exploration brings); one that never was cannot — then the pool balances by least
+    // connections (the warm-up: every instance gets its first samples evenly).
+    let score = |k: usize| {
+        let m = &view.models[k].latency;
+        let f = features(k);
+        let has_ttft = m.ttft.warmed();
         if want.deadline != 0 {
-            return ttft.then(|| m.latency.predict(&f).0);
+            return has_ttft.then(|| m.predict(&f).0);
         }
-        if !ttft && !m.latency.tpot_calibrated(now) {
+        let has_tpot = m.tpot.warmed();
+        if !has_ttft && !has_tpot {
             return None;
         }
-        let (p90_ttft, _) = m.latency.predict(&f);
-        let (mean_ttft, mean_tpot) = m.latency.mean(&f);
-        let first = if ttft {
-            p90_ttft
-        } else if m.latency.ttft.samples() > 0 {
-            mean_ttft
+        let (p90_ttft, _) = m.predict(&f);
+        let first = if has_ttft { p90_ttft } else { 0.0 };
+        let per_token = if has_tpot { m.mean(&f).1 } else { 0.0 };
+        Some(first + view.typical_output * per_token)
+    };
+    // Not calibrated (too few recent samples, or its p90 band off): explored now and then.
+    let unsure = |k: usize| {
+        let m = &view.models[k].latency;
+        if want.deadline != 0 {
+            !m.ttft_calibrated(now)
         } else {
-            0.0
-        };
-        Some(first + view.typical_output * mean_tpot)
+            !m.ttft_calibrated(now) && !m.tpot_calibrated(now)
+        }
     };
     let (instances, extras) = (view.instances, view.extras);
     if view.backend_loaded {
-        balancer.pick_scored(instances.len(), candidate, score, |k| {
+        balancer.pick_scored(instances.len(), candidate, score, unsure, |k| {
             instances[k].load_with(&extras[k])
         })
     } else {
-        balancer.pick_scored(instances.len(), candidate, score, |k| instances[k].load())
+        balancer.pick_scored(instances.len(), candidate, score, unsure, |k| {
+            instances[k].load()
+        })
     }
 }
 

@@ -442,3 +442,50 @@ fn adaptive_limit_holds_a_knee_backend_near_its_knee() {
     assert!((3.0..=10.0).contains(&mean), "mean limit {mean}");
     assert!(tail.iter().all(|&l| l <= 16), "{:?}", &tail[..20]);
 }
+
+/// SPEC §3 "Overflow": a high request spilled into low "then waits as low" — in arrival order
+/// among the batch requests, not ahead of all of them by its realtime deadline.
+#[test]
+fn a_spilled_high_request_waits_in_arrival_order_as_low() {
+    let mut p = Pool::new(
+        PoolConfig {
+            high_capacity: 1,
+            ..cfg(BalancerKind::LeastConnections)
+        },
+        1,
+    )
+    .unwrap();
+    p.add_instance(1).unwrap();
+    assert_eq!(
+        p.submit_request(1, Priority::Low, req(0, 0), &[], 0),
+        Ok(Admit::Granted(0))
+    );
+    p.submit_request(2, Priority::Low, req(0, 0), &[], 1)
+        .unwrap();
+    p.submit_request(3, Priority::High, req(500, 0), &[], 2)
+        .unwrap(); // fills high
+                   // high is full: 4 spills into low, behind 2
+    assert_eq!(
+        p.submit_request(4, Priority::High, req(100, 0), &[], 3),
+        Ok(Admit::Queued(Priority::Low))
+    );
+    p.submit_request(5, Priority::Low, req(0, 0), &[], 4)
+        .unwrap();
+    let strict = PoolConfig {
+        high_capacity: 1,
+        selector: gateway_core::SelectorConfig {
+            policy: gateway_core::Policy::Strict,
+            ..gateway_core::SelectorConfig::default()
+        },
+        ..cfg(BalancerKind::LeastConnections)
+    };
+    p.configure(strict).unwrap();
+    let mut order = Vec::new();
+    let mut running = 1;
+    for _ in 0..4 {
+        let events = p.release(running, Outcome::Success, 0, 10).unwrap();
+        running = granted(&events)[0];
+        order.push(running);
+    }
+    assert_eq!(order, vec![3, 2, 4, 5]);
+}
