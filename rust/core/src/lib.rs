@@ -14,6 +14,7 @@ pub mod balancer;
 pub mod cells;
 pub mod error;
 pub mod health;
+pub mod instance;
 pub mod latency;
 pub mod matcher;
 pub mod pool;

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 
 use crate::health::HealthConfig;
-use crate::pool::Instance;
+use crate::instance::Instance;
 use crate::selector::Selector;
 use crate::shm::{PeerWaiting, Region, TENANT_OVERFLOW};
 use crate::types::{InstanceState, Millis, Priority, Tenant};
