@@ -4,7 +4,8 @@
 //! `pool.rs`, which imports it: issue 20's `pool.rs` <-> `shared.rs` cycle is gone.
 
 use crate::balancer::Load;
-use crate::health::Breaker;
+use crate::health::{Breaker, HealthConfig};
+use crate::types::{InstanceState, Millis};
 
 /// One backend instance as the scheduler sees it: its slots and its health.
 #[derive(Clone, Debug)]
@@ -35,6 +36,26 @@ pub struct InstanceExtra {
 }
 
 impl Instance {
+    /// Its health state (SPEC §6).
+    pub fn state(&self) -> InstanceState {
+        self.breaker.state()
+    }
+
+    /// Until when it is ejected, if it is.
+    pub fn ejected_until(&self) -> Option<Millis> {
+        self.breaker.ejected_until()
+    }
+
+    /// SPEC §12 "an ejection seen by one worker holds for all": adopts another worker's.
+    pub fn adopt_ejection(&mut self, until: Millis) {
+        self.breaker.adopt_ejection(until);
+    }
+
+    /// SPEC §6 a probe's result (this worker's or another's).
+    pub fn on_probe(&mut self, health: &HealthConfig, ok: bool, now: Millis) {
+        self.breaker.on_probe(health, ok, now);
+    }
+
     /// The load of an instance whose backend reports nothing: its own attempts only.
     pub(crate) fn load(&self) -> Load {
         Load {

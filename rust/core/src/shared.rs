@@ -166,20 +166,20 @@ impl Shared {
             if let (_, Some((limit, _))) = r.limit(p, s) {
                 inst.limit = (limit as u32).clamp(1, inst.max_concurrency);
             }
-            let before = inst.breaker.state();
+            let before = inst.state();
             let (gen, until) = r.ejection(p, s);
             if gen != self.seen_ejection[k] {
                 self.seen_ejection[k] = gen;
                 if until > now && !inst.removed {
-                    inst.breaker.adopt_ejection(until);
+                    inst.adopt_ejection(until);
                 }
             }
             let (seq, ok) = r.probe(p, s);
             if seq != self.seen_probe[k] {
                 self.seen_probe[k] = seq;
-                inst.breaker.on_probe(health, ok, now);
+                inst.on_probe(health, ok, now);
             }
-            let after = inst.breaker.state();
+            let after = inst.state();
             if after != before {
                 transitions.push((k, after));
                 changed = true;
@@ -232,7 +232,7 @@ impl Shared {
         if !r.take(p, s, me, u64::from(inst.limit)) {
             return false;
         }
-        if inst.breaker.state() == InstanceState::HalfOpen
+        if inst.state() == InstanceState::HalfOpen
             && !r.take_trial(p, s, me, u64::from(trial_permits))
         {
             r.give(p, s, me);
@@ -304,7 +304,7 @@ impl Shared {
             let Some(s) = self.slot(k) else {
                 continue;
             };
-            if let Some(until) = inst.breaker.ejected_until() {
+            if let Some(until) = inst.ejected_until() {
                 if until > self.published_until[k] {
                     self.published_until[k] = until;
                     let (gen, _) = r.publish_ejection(p, s, until);
