@@ -48,7 +48,7 @@ BUSY = SLOTS // 2  # attempts kept in flight on each instance while measuring
 def region_pools(cfg: PoolConfig, workers: int = 2) -> list[Pool]:
     """One pool per worker slot, attached to a fresh region over a memfd (SPEC §12), as the
     supervisor and its workers make them (here all in this process)."""
-    fd = os.memfd_create("bench-region", os.MFD_CLOEXEC)
+    fd = os.memfd_create("bench-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, REGION_BYTES)
     regions = [Region(fd, workers)] + [Region(fd) for _ in range(workers - 1)]
     os.close(fd)  # the mappings keep the memory

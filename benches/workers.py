@@ -438,7 +438,7 @@ def in_process(iterations: int, mode: str) -> list[int]:
     a = Pool(PoolConfig(), 1)
     b = a
     if mode != "plain":
-        fd = os.memfd_create("bench-handoff")
+        fd = os.memfd_create("bench-handoff", os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, REGION_BYTES)
         region = Region(fd, workers=2)
         a.attach(region, 1, 0)
@@ -479,7 +479,7 @@ def two_processes(iterations: int, use_loop: bool, settle_us: int) -> list[int]:
     asleep (in `read` or `epoll_wait`) when the wake comes; 0 races it."""
     from gateway._core import REGION_BYTES, Outcome, Pool, PoolConfig, Priority, Region
 
-    fd = os.memfd_create("bench-handoff")
+    fd = os.memfd_create("bench-handoff", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, REGION_BYTES)
     Region(fd, workers=2)  # the supervisor's header
     wake = [os.eventfd(0) for _ in range(2)]  # the measured path, as the workers use it

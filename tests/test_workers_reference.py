@@ -24,7 +24,7 @@ HIGH, LOW = Priority.HIGH, Priority.LOW
 
 
 def _region(workers: int) -> _core.Region:
-    fd = os.memfd_create("test-region")
+    fd = os.memfd_create("test-region", os.MFD_ALLOW_SEALING)  # Region seals it (SPEC §12)
     os.ftruncate(fd, _core.REGION_BYTES)
     region = _core.Region(fd, workers)
     os.close(fd)  # the mapping stays

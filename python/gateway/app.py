@@ -54,7 +54,7 @@ from gateway.errors import (
 from gateway.events import Events, RequestFinished
 from gateway.exchange import Exchange
 from gateway.forward import AttemptError, Forwarder, UpstreamBody, earliest_try_ms, exhausted
-from gateway.limits import estimate_tokens
+from gateway.limits import Buffered, HostLimits, estimate_tokens
 from gateway.messages import ENDPOINTS, Endpoint, parse_request
 from gateway.metrics import NO_KEY, Metrics
 from gateway.outcome import Answered, Outcome, Refused
@@ -214,8 +214,16 @@ class Gateway:
         self.forwarder = Forwarder(
             lambda: self.runtime, self.metrics, REDACTOR, lambda: self._hard_stopped
         )
-        # SPEC §16: request bytes held by queued and in-flight requests.
-        self.buffered_bytes = 0
+        # SPEC §16: request bytes held by queued and in-flight requests; SPEC §12: with
+        # workers, counted per host in the region (so is every key's rpm/tpm).
+        link = topology.link
+        self.buffered = Buffered(link.region, link.slot) if link else Buffered()
+        self.host_limits = HostLimits(link.region, link.slot) if link else HostLimits()
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Request bytes the whole gateway holds (SPEC §12: every worker's, with workers)."""
+        return self.buffered.total
 
     def mount(self, admin: Admin) -> None:
         """Serves `admin`'s routes (/livez, /readyz, /admin/*, /metrics, /dashboard)."""
@@ -521,7 +529,7 @@ class Gateway:
             # SPEC §17 "Unattainable": before it queues (and before its tokens are charged).
             self._meet_objective(ex, tenant)
         body = _upstream_body(data)
-        limits = tenant.limits
+        limits = self.host_limits.of(tenant.name, tenant.limits, self.keys)
         held = self._hold(body.size)
         try:
             if limits is None:
@@ -535,7 +543,7 @@ class Gateway:
                 usage = ex.usage.get("total_tokens") if ex.usage else None
                 limits.reconcile(charged, usage if isinstance(usage, int) else None)
         finally:
-            self.buffered_bytes -= held
+            self.buffered.give(held)
 
     def _objectives(
         self,
@@ -626,9 +634,8 @@ class Gateway:
         """SPEC §16: admits `size` more request bytes, or answers 503 `overloaded` when the
         gateway already holds `limits.max_buffered_bytes`."""
         limit = self.runtime.config.limits.max_buffered_bytes
-        if self.buffered_bytes + size > limit:
+        if not self.buffered.take(size, limit):
             raise _overloaded()
-        self.buffered_bytes += size
         return size
 
     async def _read_body(self, request: web.BaseRequest, watchdog: Watchdog) -> bytes:
@@ -664,13 +671,12 @@ class Gateway:
                 size += n
                 if size > limit:
                     raise too_large
-                if self.buffered_bytes + n > bound:
+                if not self.buffered.take(n, bound):
                     raise _overloaded()
-                self.buffered_bytes += n
                 chunks.append(chunk)
             # Joining copies the body once: that copy needs room under the bound too (the
             # pieces go as soon as it is made).
-            if self.buffered_bytes + size > bound:
+            if not self.buffered.fits(size, bound):
                 raise _overloaded()
             return b"".join(chunks)
         except asyncio.CancelledError:
@@ -679,7 +685,7 @@ class Gateway:
             raise
         finally:
             watchdog.disarm()
-            self.buffered_bytes -= sum(map(len, chunks))
+            self.buffered.give(sum(map(len, chunks)))
 
     async def _dispatch(
         self,

@@ -11,8 +11,10 @@
 pub mod adaptive;
 pub mod affinity;
 pub mod balancer;
+pub mod cells;
 pub mod error;
 pub mod health;
+pub mod instance;
 pub mod latency;
 pub mod matcher;
 pub mod pool;

@@ -22,9 +22,10 @@ use std::sync::atomic::{fence, Ordering::SeqCst};
 
 use crate::adaptive::Gradient;
 use crate::affinity::{self, HashRing};
-use crate::balancer::{Balancer, Load};
+use crate::balancer::Balancer;
 use crate::error::CoreError;
 use crate::health::{Breaker, HealthConfig};
+pub use crate::instance::{Instance, InstanceExtra};
 use crate::latency::{Features, LatencyModel};
 use crate::prefix::{self, PrefixIndex};
 use crate::queue::{ClassQueue, Entry};
@@ -233,69 +234,6 @@ impl Hasher for TicketHasher {
 }
 
 type TicketMap = HashMap<Ticket, TicketState, BuildHasherDefault<TicketHasher>>;
-
-/// One backend instance as the scheduler sees it: its slots and its health.
-#[derive(Clone, Debug)]
-pub struct Instance {
-    pub max_concurrency: u32,
-    /// The effective cap: `max_concurrency`, or below it the adaptive limit (SPEC §17).
-    pub limit: u32,
-    pub in_flight: u32,
-    /// SPEC §12: attempts other workers have on it (0 when one process owns the pool).
-    pub peer_in_flight: u32,
-    pub breaker: Breaker,
-    /// Removed by a reload: takes nothing new, drains what it has.
-    pub removed: bool,
-}
-
-/// What an instance is beyond its slots and health (SPEC §15): its place on the affinity
-/// ring and what its backend reports of itself. Kept beside `Instance`, not in it, so that
-/// the balancer's scan reads one 64-byte line per instance, as before these existed.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct InstanceExtra {
-    /// Where its points lie on the affinity hash ring: a stable identity (a hash of its
-    /// name), so that a reload reusing the index of another instance moves that one's keys.
-    pub ring_id: u64,
-    /// Requests the backend itself reports waiting (vLLM `num_requests_waiting`).
-    pub backend_waiting: u32,
-    /// The backend's KV-cache usage in thousandths (vLLM `gpu_cache_usage_perc`).
-    pub cache_permille: u16,
-}
-
-impl Instance {
-    /// The load of an instance whose backend reports nothing: its own attempts only.
-    fn load(&self) -> Load {
-        Load {
-            active: self.in_flight.saturating_add(self.peer_in_flight),
-            capacity: self.limit,
-            cache_permille: 0,
-        }
-    }
-
-    /// SPEC §15 "Backend load": this pool's attempts plus the backend's own queue.
-    fn load_with(&self, extra: &InstanceExtra) -> Load {
-        Load {
-            active: self
-                .in_flight
-                .saturating_add(self.peer_in_flight)
-                .saturating_add(extra.backend_waiting),
-            capacity: self.limit,
-            cache_permille: extra.cache_permille,
-        }
-    }
-
-    /// Requests on the instance, for the affinity bound.
-    fn active(&self, extra: &InstanceExtra) -> u64 {
-        u64::from(self.in_flight)
-            + u64::from(self.peer_in_flight)
-            + u64::from(extra.backend_waiting)
-    }
-
-    /// Whether another attempt fits under its cap (every worker's attempts counted).
-    fn has_room(&self) -> bool {
-        self.in_flight.saturating_add(self.peer_in_flight) < self.limit
-    }
-}
 
 /// SPEC §17: what the core learns of one instance's latency, and its adaptive limit.
 #[derive(Clone, Debug, Default)]
@@ -1804,6 +1742,14 @@ impl Pool {
 
     pub fn is_shared(&self) -> bool {
         self.shared.is_some()
+    }
+
+    /// SPEC §16: (instances bound to a region cell, tenant entries cached) of this worker;
+    /// (0, 0) for a single process.
+    pub fn shared_tables(&self) -> (usize, usize) {
+        self.shared
+            .as_ref()
+            .map_or((0, 0), |s| (s.bound(), s.tenants_cached()))
     }
 
     /// What the other workers have waiting (high, low); (0, 0) for a single process.

@@ -11,9 +11,9 @@
 use std::collections::HashMap;
 
 use crate::health::HealthConfig;
-use crate::pool::Instance;
+use crate::instance::Instance;
 use crate::selector::Selector;
-use crate::shm::{PeerWaiting, Region};
+use crate::shm::{PeerWaiting, Region, TENANT_OVERFLOW};
 use crate::types::{InstanceState, Millis, Priority, Tenant};
 
 /// A deferral is stale — the peer cannot use the unit (its head is cooling there, or excluded),
@@ -21,6 +21,13 @@ use crate::types::{InstanceState, Millis, Priority, Tenant};
 /// unchanged, or after this long whatever it did (a peer that stopped is killed and reclaimed
 /// by the supervisor; meanwhile no unit waits longer than this for it).
 const STALE_DEFER_MS: Millis = 1000;
+
+/// Tenant entries a worker with nothing waiting may keep joined (8 workers keep at most half
+/// the table).
+const KEEP_TENANTS: usize = 4;
+
+/// `slots[i]` of an instance that holds no cell (removed, and left once idle).
+const UNBOUND: usize = usize::MAX;
 
 /// A turn given up to another worker: which, what it had waiting then, and when.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,7 +47,7 @@ pub struct Shared {
     region: Region<'static>,
     pool: usize,
     worker: usize,
-    /// `slots[i]`: the region's slot of the pool's instance `i`.
+    /// `slots[i]`: the region's cell of the pool's instance `i` (`UNBOUND`: none any more).
     slots: Vec<usize>,
     /// The latest ejection generation and probe sequence applied, per instance.
     seen_ejection: Vec<u64>,
@@ -50,7 +57,10 @@ pub struct Shared {
     pub peers: PeerWaiting,
     /// Worker slots to wake (a unit is free for what they have waiting).
     wakes: u64,
-    /// Tenant table entries, cached (claiming scans the table).
+    /// Tenant table entries this worker joined, cached (joining scans the table). Left, and
+    /// emptied, whenever this worker has nothing waiting in the pool and holds more than
+    /// `KEEP_TENANTS` (SPEC §16: bounded by the tenants waiting at once, not by every tenant
+    /// ever seen).
     tenants: HashMap<Tenant, usize>,
     /// The latest turn given up to a peer.
     deferred: Option<Deferral>,
@@ -83,9 +93,12 @@ impl Shared {
     /// Instance `idx` of the pool is the one with stable id `id` (reloads reuse indexes, never
     /// ids). `None`: the pool's slots are used up.
     pub fn bind(&mut self, idx: usize, id: u64) -> Option<()> {
-        let slot = self.region.instance_slot(self.pool, id)?;
+        // A reused index: the instance it held is gone and idle here (the pool reuses only
+        // those), so this worker leaves its cell first (SPEC §12 bounded and reclaimed).
+        self.leave(idx);
+        let slot = self.region.instance_slot(self.pool, id, self.worker)?;
         if idx >= self.slots.len() {
-            self.slots.resize(idx + 1, 0);
+            self.slots.resize(idx + 1, UNBOUND);
             self.seen_ejection.resize(idx + 1, 0);
             self.seen_probe.resize(idx + 1, 0);
             self.published_until.resize(idx + 1, 0);
@@ -96,6 +109,35 @@ impl Shared {
         self.seen_probe[idx] = self.region.probe(self.pool, slot).0;
         self.published_until[idx] = 0;
         Some(())
+    }
+
+    /// SPEC §12 "region cells of removed instances ... are reclaimed": this worker leaves
+    /// instance `idx`'s cell (removed, nothing of ours runs there); the last worker to leave
+    /// frees it.
+    fn leave(&mut self, idx: usize) {
+        let Some(s) = self.slot(idx) else {
+            return;
+        };
+        self.slots[idx] = UNBOUND;
+        // The same instance re-added by a reload while its old index drains shares the cell:
+        // this worker leaves only when no index of its own uses it any more.
+        if !self.slots.contains(&s) {
+            self.region.leave_instance(self.pool, s, self.worker);
+        }
+    }
+
+    fn slot(&self, idx: usize) -> Option<usize> {
+        self.slots.get(idx).copied().filter(|&s| s != UNBOUND)
+    }
+
+    /// Instances of this pool bound to a region cell.
+    pub fn bound(&self) -> usize {
+        self.slots.iter().filter(|&&s| s != UNBOUND).count()
+    }
+
+    /// Tenant entries this worker has joined (its cache's size).
+    pub fn tenants_cached(&self) -> usize {
+        self.tenants.len()
     }
 
     /// Reads what the other workers changed: their in-flight counts, ejections, probe results,
@@ -111,27 +153,33 @@ impl Shared {
         let (r, p, me) = (self.region, self.pool, self.worker);
         let mut changed = false;
         for (k, inst) in instances.iter_mut().enumerate() {
-            let s = self.slots[k];
+            if inst.removed && inst.in_flight == 0 {
+                self.leave(k);
+            }
+            let Some(s) = self.slot(k) else {
+                inst.peer_in_flight = 0;
+                continue;
+            };
             let (held, mine) = r.held_split(p, s, me);
             inst.peer_in_flight = held.saturating_sub(mine).min(u64::from(u32::MAX)) as u32;
             // SPEC §17: an adaptive instance's cap is the limit the workers share.
             if let (_, Some((limit, _))) = r.limit(p, s) {
                 inst.limit = (limit as u32).clamp(1, inst.max_concurrency);
             }
-            let before = inst.breaker.state();
+            let before = inst.state();
             let (gen, until) = r.ejection(p, s);
             if gen != self.seen_ejection[k] {
                 self.seen_ejection[k] = gen;
                 if until > now && !inst.removed {
-                    inst.breaker.adopt_ejection(until);
+                    inst.adopt_ejection(until);
                 }
             }
             let (seq, ok) = r.probe(p, s);
             if seq != self.seen_probe[k] {
                 self.seen_probe[k] = seq;
-                inst.breaker.on_probe(health, ok, now);
+                inst.on_probe(health, ok, now);
             }
-            let after = inst.breaker.state();
+            let after = inst.state();
             if after != before {
                 transitions.push((k, after));
                 changed = true;
@@ -145,13 +193,14 @@ impl Shared {
     /// SPEC §17: instance `idx`'s shared adaptive limit — the word read and (limit, when it
     /// was judged), if set.
     pub fn limit(&self, idx: usize) -> (u64, Option<(f64, Millis)>) {
-        self.region.limit(self.pool, self.slots[idx])
+        self.slot(idx)
+            .map_or((0, None), |s| self.region.limit(self.pool, s))
     }
 
     /// Sets the shared limit if the word is still `seen`; whether it was.
     pub fn judge_limit(&self, idx: usize, seen: u64, limit: Option<(f64, Millis)>) -> bool {
-        self.region
-            .judge_limit(self.pool, self.slots[idx], seen, limit)
+        self.slot(idx)
+            .is_some_and(|s| self.region.judge_limit(self.pool, s, seen, limit))
     }
 
     /// Clears instance `idx`'s shared limit (its cap is `max_concurrency` again).
@@ -176,11 +225,14 @@ impl Shared {
 
     /// Takes a unit of instance `idx` (and, half-open, one of its global trial permits).
     pub fn take(&self, idx: usize, inst: &Instance, trial_permits: u32) -> bool {
-        let (r, p, s, me) = (self.region, self.pool, self.slots[idx], self.worker);
+        let Some(s) = self.slot(idx) else {
+            return false;
+        };
+        let (r, p, me) = (self.region, self.pool, self.worker);
         if !r.take(p, s, me, u64::from(inst.limit)) {
             return false;
         }
-        if inst.breaker.state() == InstanceState::HalfOpen
+        if inst.state() == InstanceState::HalfOpen
             && !r.take_trial(p, s, me, u64::from(trial_permits))
         {
             r.give(p, s, me);
@@ -191,7 +243,10 @@ impl Shared {
 
     /// Gives back a unit of instance `idx` (and its trial permit, if it was a trial).
     pub fn give(&self, idx: usize, trial: bool) {
-        let (r, p, s, me) = (self.region, self.pool, self.slots[idx], self.worker);
+        let Some(s) = self.slot(idx) else {
+            return;
+        };
+        let (r, p, me) = (self.region, self.pool, self.worker);
         r.give(p, s, me);
         if trial {
             r.give_trial(p, s, me);
@@ -219,6 +274,15 @@ impl Shared {
         oldest: (Option<Millis>, Option<Millis>),
     ) {
         self.region.looked(self.pool, self.worker);
+        if counts == (0, 0) && self.tenants.len() > KEEP_TENANTS {
+            // Nothing of ours waits: no tenant entry is ours to hold (SPEC §12 idle tenants
+            // are reclaimed; the last worker to leave one frees it). A few are kept joined
+            // (the common case, a handful of keys, then costs no table scan per request):
+            // at most `KEEP_TENANTS` per worker, a fraction of the table.
+            for (_, k) in self.tenants.drain() {
+                self.region.leave_tenant(self.pool, k, self.worker);
+            }
+        }
         // Places of entries that left (granted, cancelled, expired, evicted) go back.
         let (r, p, me) = (self.region, self.pool, self.worker);
         r.settle_places(p, me, true, counts.0 as u64);
@@ -237,12 +301,15 @@ impl Shared {
     pub fn publish_ejections(&mut self, instances: &[Instance]) {
         let (r, p) = (self.region, self.pool);
         for (k, inst) in instances.iter().enumerate() {
-            if let Some(until) = inst.breaker.ejected_until() {
+            let Some(s) = self.slot(k) else {
+                continue;
+            };
+            if let Some(until) = inst.ejected_until() {
                 if until > self.published_until[k] {
                     self.published_until[k] = until;
-                    let (gen, _) = r.publish_ejection(p, self.slots[k], until);
+                    let (gen, _) = r.publish_ejection(p, s, until);
                     self.seen_ejection[k] = gen; // our own: not adopted again
-                    r.reset_failures(p, self.slots[k]);
+                    r.reset_failures(p, s);
                 }
             }
         }
@@ -251,7 +318,9 @@ impl Shared {
     /// An attempt's outcome on a healthy instance, counted across workers: the consecutive
     /// failures now (0 after a success).
     pub fn outcome(&self, idx: usize, failed: bool) -> u64 {
-        let s = self.slots[idx];
+        let Some(s) = self.slot(idx) else {
+            return 0;
+        };
         if failed {
             self.region.count_failure(self.pool, s)
         } else {
@@ -261,22 +330,24 @@ impl Shared {
     }
 
     pub fn publish_probe(&mut self, idx: usize, ok: bool) {
-        let s = self.slots[idx];
+        let Some(s) = self.slot(idx) else {
+            return;
+        };
         self.region.publish_probe(self.pool, s, ok);
         self.seen_probe[idx] = self.region.probe(self.pool, s).0;
     }
 
     pub fn claim_probe(&self, idx: usize, now: Millis, interval_ms: Millis) -> bool {
-        self.region
-            .claim_probe(self.pool, self.slots[idx], now, interval_ms)
+        self.slot(idx)
+            .is_some_and(|s| self.region.claim_probe(self.pool, s, now, interval_ms))
     }
 
     fn tenant_slot(&mut self, tenant: Tenant) -> usize {
-        let (r, p) = (self.region, self.pool);
+        let (r, p, me) = (self.region, self.pool, self.worker);
         *self
             .tenants
             .entry(tenant)
-            .or_insert_with(|| r.tenant_slot(p, tenant))
+            .or_insert_with(|| r.tenant_slot(p, tenant, me).unwrap_or(TENANT_OVERFLOW))
     }
 
     /// A request of `tenant` starts waiting (fair share: an idle tenant joins at the pool's

@@ -32,114 +32,309 @@
 pub use loom::sync::atomic::AtomicU64;
 #[cfg(not(loom))]
 pub use std::sync::atomic::AtomicU64;
-use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release, SeqCst};
 
+use crate::cells;
 use crate::types::Millis;
 
 /// "GWSHMv01".
 pub const MAGIC: u64 = 0x4757_5348_4d76_3031;
-pub const LAYOUT_VERSION: u64 = 1;
+pub const LAYOUT_VERSION: u64 = 2;
 /// Words per cache-line pair (128 bytes): hot words of different owners never share one.
 pub const LINE: usize = 16;
 pub const MAX_WORKERS: usize = 8;
 pub const MAX_POOLS: usize = 32;
-/// Instance slots per pool: a pool's live instances plus those a reload replaced.
+/// Instance cells per pool: a pool's live instances plus those a reload removed that still
+/// have requests in flight somewhere (a cell is reclaimed once no worker uses it).
 pub const MAX_SLOTS: usize = 128;
-/// Tenants per pool whose grants are counted for fair share across workers; more share one
-/// overflow count.
+/// Tenants per pool whose grants are counted for fair share across workers (idle tenants'
+/// entries are reclaimed); past that many at once, the rest share one overflow count.
 pub const MAX_TENANTS: usize = 64;
+/// API keys whose `rpm`/`tpm` buckets live in the region (SPEC §12: a key gets its limit once
+/// per gateway); entries of keys no worker has configured any more are reclaimed.
+pub const MAX_KEYS: usize = 512;
 
-// Header words.
-const H_MAGIC: usize = 0;
-const H_VERSION: usize = 1;
-const H_ABI: usize = 2;
-const H_LEN: usize = 3;
-const H_WORKERS: usize = 4;
+// SPEC §12 "the region's layout is checked at attach by a hash derived from the layout
+// itself": the layout is these `#[repr(C)]` structs (never instantiated: every word index
+// below is an `offset_of!` into them), and `layout!` hashes each one's name, size and every
+// field's name, offset and size, so any change to where a word is changes `ABI_HASH`.
 
-// A worker slot's line.
-const W_STATE: usize = 0; // incarnation << 8 | state
-const W_PID: usize = 1;
-const W_HEARTBEAT: usize = 2;
+const FNV_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
+const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
 
-// A pool's first line.
-const P_ID: usize = 0;
-const P_SELECTOR: usize = 1; // credit_high as i32 bits << 32 | consecutive_high
-const P_LAST_LOW: usize = 2; // the last low grant, ms + 1
-const P_GRANTED: usize = 3; // grants across workers (high)
-const P_GRANTED_LOW: usize = 4;
-const P_VIRTUAL_TIME: usize = 5; // the highest tenant grant count reached (fair share)
-const P_PLACES_HIGH: usize = 6; // queue places taken, one field per worker (lease layout)
-const P_PLACES_LOW: usize = 7;
+const fn mix(mut h: u64, v: u64) -> u64 {
+    let mut i = 0;
+    while i < 8 {
+        h ^= (v >> (8 * i)) & 0xff;
+        h = h.wrapping_mul(FNV_PRIME);
+        i += 1;
+    }
+    h
+}
 
-// A worker's summary line within a pool.
-const S_COUNTS: usize = 0; // high << 32 | low
-const S_OLDEST_HIGH: usize = 1; // ms + 1, 0 = none
-const S_OLDEST_LOW: usize = 2;
-// Whose turn is next in this worker, per class: tenant + 1 (0 none) and its head's arrival + 1.
-const S_TURN_HIGH: usize = 3;
-const S_TURN_HIGH_AT: usize = 4;
-const S_TURN_LOW: usize = 5;
-const S_TURN_LOW_AT: usize = 6;
-const S_LOOKS: usize = 7; // how many times this worker looked at the pool (after each operation)
+const fn mix_str(mut h: u64, s: &str) -> u64 {
+    let b = s.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        h ^= b[i] as u64;
+        h = h.wrapping_mul(FNV_PRIME);
+        i += 1;
+    }
+    mix(h, b.len() as u64)
+}
 
-// An instance slot's line.
-const I_ID: usize = 0;
-const I_LEASE: usize = 1;
-const I_HEALTH: usize = 2; // generation << 48 | ejected_until (ms, 48 bits)
-const I_PROBE: usize = 3; // sequence << 1 | ok
-const I_PROBE_CLAIM: usize = 4; // when the latest probe was claimed, ms + 1
-const I_TRIALS: usize = 5; // half-open trial permits, one field per worker (lease layout)
-const I_FAILURES: usize = 6; // consecutive failed attempts, by any worker
-const I_LIMIT: usize = 7; // SPEC §17 adaptive limit: (limit × 16) << 40 | judged at (ms + 1); 0 = none
+macro_rules! layout {
+    ($(#[$m:meta])* $name:ident { $($(#[$fm:meta])* $field:ident : $ty:ty),* $(,)? }) => {
+        $(#[$m])*
+        #[repr(C)]
+        #[allow(dead_code)]
+        struct $name {
+            $($(#[$fm])* $field: $ty),*
+        }
+        impl $name {
+            const WORDS: usize = std::mem::size_of::<$name>() / 8;
+            const HASH: u64 = {
+                let h = mix_str(FNV_BASIS, stringify!($name));
+                let h = mix(h, std::mem::size_of::<$name>() as u64);
+                $(
+                    let h = mix_str(h, stringify!($field));
+                    let h = mix(h, std::mem::offset_of!($name, $field) as u64);
+                    let h = mix(h, std::mem::size_of::<$ty>() as u64);
+                )*
+                h
+            };
+        }
+    };
+}
 
-// The tenant table: per entry two words (tenant + 1, grants), eight entries a line.
-const TENANT_LINES: usize = MAX_TENANTS * 2 / LINE;
-const POOL_LINES: usize = 1 + MAX_WORKERS + MAX_SLOTS + TENANT_LINES;
-const POOLS_AT: usize = LINE * (1 + MAX_WORKERS);
+/// Word index of `field` in `T`.
+macro_rules! word {
+    ($t:ty, $field:ident) => {
+        std::mem::offset_of!($t, $field) / 8
+    };
+}
+
+layout!(
+    /// The header's line.
+    Header {
+        magic: u64,
+        version: u64,
+        abi: u64,
+        len: u64,
+        workers: u64,
+        _pad: [u64; LINE - 5],
+    }
+);
+
+layout!(
+    /// A worker slot's line (the supervisor writes state and pid; the worker the rest).
+    WorkerLine {
+        /// incarnation << 8 | state
+        state: u64,
+        pid: u64,
+        heartbeat: u64,
+        /// SPEC §16 request bytes this worker holds (`limits.max_buffered_bytes`, per host).
+        buffered: u64,
+        _pad: [u64; LINE - 4],
+    }
+);
+
+layout!(
+    /// A pool's first line.
+    PoolHead {
+        id: u64,
+        /// credit_high as i32 bits << 32 | consecutive_high
+        selector: u64,
+        /// the last low grant, ms + 1
+        last_low: u64,
+        /// grants across workers (high, low)
+        granted: u64,
+        granted_low: u64,
+        /// the highest tenant grant count reached (fair share)
+        virtual_time: u64,
+        /// queue places taken, one field per worker (lease layout)
+        places_high: u64,
+        places_low: u64,
+        _pad: [u64; LINE - 8],
+    }
+);
+
+layout!(
+    /// A worker's summary line within a pool.
+    Summary {
+        /// high << 32 | low
+        counts: u64,
+        /// ms + 1, 0 = none
+        oldest_high: u64,
+        oldest_low: u64,
+        /// whose turn is next in this worker, per class: tenant entry + 1 (0 none) and its
+        /// head's arrival + 1
+        turn_high: u64,
+        turn_high_at: u64,
+        turn_low: u64,
+        turn_low_at: u64,
+        /// how many times this worker looked at the pool (after each operation)
+        looks: u64,
+        _pad: [u64; LINE - 8],
+    }
+);
+
+layout!(
+    /// An instance cell's line.
+    Slot {
+        /// the cell's key word (`cells.rs`): the instance id's key and its users
+        id: u64,
+        lease: u64,
+        /// generation << 48 | ejected_until (ms, 48 bits)
+        health: u64,
+        /// sequence << 1 | ok
+        probe: u64,
+        /// when the latest probe was claimed, ms + 1
+        probe_claim: u64,
+        /// half-open trial permits, one field per worker (lease layout)
+        trials: u64,
+        /// consecutive failed attempts, by any worker
+        failures: u64,
+        /// SPEC §17 adaptive limit: (limit × 16) << 40 | judged at (ms + 1); 0 = none
+        limit: u64,
+        _pad: [u64; LINE - 8],
+    }
+);
+
+layout!(
+    /// A tenant table entry: its key word (`cells.rs`) and its grants.
+    TenantEntry {
+        key: u64,
+        grants: u64,
+    }
+);
+
+layout!(
+    /// One pool's block.
+    PoolBlock {
+        head: PoolHead,
+        summaries: [Summary; MAX_WORKERS],
+        slots: [Slot; MAX_SLOTS],
+        tenants: [TenantEntry; MAX_TENANTS],
+    }
+);
+
+layout!(
+    /// An API key's entry: its key word (`cells.rs`) and its two buckets, each the GCRA
+    /// "theoretical arrival time" in microseconds.
+    KeyEntry {
+        key: u64,
+        rpm: u64,
+        tpm: u64,
+        _pad: u64,
+    }
+);
+
+layout!(
+    /// The whole region.
+    Layout {
+        header: Header,
+        workers: [WorkerLine; MAX_WORKERS],
+        pools: [PoolBlock; MAX_POOLS],
+        keys: [KeyEntry; MAX_KEYS],
+    }
+);
+
+const H_MAGIC: usize = word!(Header, magic);
+const H_VERSION: usize = word!(Header, version);
+const H_ABI: usize = word!(Header, abi);
+const H_LEN: usize = word!(Header, len);
+const H_WORKERS: usize = word!(Header, workers);
+
+const W_STATE: usize = word!(WorkerLine, state);
+const W_PID: usize = word!(WorkerLine, pid);
+const W_HEARTBEAT: usize = word!(WorkerLine, heartbeat);
+const W_BUFFERED: usize = word!(WorkerLine, buffered);
+
+const P_ID: usize = word!(PoolHead, id);
+const P_SELECTOR: usize = word!(PoolHead, selector);
+const P_LAST_LOW: usize = word!(PoolHead, last_low);
+const P_GRANTED: usize = word!(PoolHead, granted);
+const P_GRANTED_LOW: usize = word!(PoolHead, granted_low);
+const P_VIRTUAL_TIME: usize = word!(PoolHead, virtual_time);
+const P_PLACES_HIGH: usize = word!(PoolHead, places_high);
+const P_PLACES_LOW: usize = word!(PoolHead, places_low);
+
+const S_COUNTS: usize = word!(Summary, counts);
+const S_OLDEST_HIGH: usize = word!(Summary, oldest_high);
+const S_OLDEST_LOW: usize = word!(Summary, oldest_low);
+const S_TURN_HIGH: usize = word!(Summary, turn_high);
+const S_TURN_HIGH_AT: usize = word!(Summary, turn_high_at);
+const S_TURN_LOW: usize = word!(Summary, turn_low);
+const S_TURN_LOW_AT: usize = word!(Summary, turn_low_at);
+const S_LOOKS: usize = word!(Summary, looks);
+
+const I_ID: usize = word!(Slot, id);
+const I_LEASE: usize = word!(Slot, lease);
+const I_HEALTH: usize = word!(Slot, health);
+const I_PROBE: usize = word!(Slot, probe);
+const I_PROBE_CLAIM: usize = word!(Slot, probe_claim);
+const I_TRIALS: usize = word!(Slot, trials);
+const I_FAILURES: usize = word!(Slot, failures);
+const I_LIMIT: usize = word!(Slot, limit);
+
+const T_KEY: usize = word!(TenantEntry, key);
+const T_GRANTS: usize = word!(TenantEntry, grants);
+
+const K_KEY: usize = word!(KeyEntry, key);
+const K_RPM: usize = word!(KeyEntry, rpm);
+const K_TPM: usize = word!(KeyEntry, tpm);
+
+const WORKERS_AT: usize = word!(Layout, workers);
+const POOLS_AT: usize = word!(Layout, pools);
+const KEYS_AT: usize = word!(Layout, keys);
+const SUMMARIES_AT: usize = word!(PoolBlock, summaries);
+const SLOTS_AT: usize = word!(PoolBlock, slots);
+const TENANTS_AT: usize = word!(PoolBlock, tenants);
+
 /// The region's length in words.
-pub const REGION_WORDS: usize = POOLS_AT + MAX_POOLS * POOL_LINES * LINE;
+pub const REGION_WORDS: usize = Layout::WORDS;
 /// The region's length in bytes.
 pub const REGION_BYTES: usize = REGION_WORDS * 8;
 
 const UNTIL_MASK: u64 = (1 << 48) - 1;
 
+/// The tenant entry every tenant past the table's size shares (never freed).
+pub const TENANT_OVERFLOW: usize = MAX_TENANTS - 1;
+
 pub const WORKER_FREE: u64 = 0;
 pub const WORKER_LIVE: u64 = 1;
 pub const WORKER_RECLAIMING: u64 = 2;
 
-/// FNV-1a over the layout's constants: two builds agree on it only if they agree on where
+/// FNV-1a over the layout itself (every struct's fields, offsets and sizes, the version and
+/// the sizes the layout is built from): two builds agree on it only if they agree on where
 /// every word is. A worker built from other sources refuses to attach.
 pub const ABI_HASH: u64 = {
-    let parts: [u64; 19] = [
-        MAX_TENANTS as u64,
-        S_TURN_LOW_AT as u64,
-        S_LOOKS as u64,
-        P_PLACES_LOW as u64,
+    let parts = [
         LAYOUT_VERSION,
-        LINE as u64,
-        MAX_WORKERS as u64,
-        MAX_POOLS as u64,
-        MAX_SLOTS as u64,
-        P_SELECTOR as u64,
-        P_LAST_LOW as u64,
-        S_OLDEST_LOW as u64,
-        I_LEASE as u64,
-        I_HEALTH as u64,
-        I_PROBE as u64,
-        I_TRIALS as u64,
-        I_FAILURES as u64,
-        REGION_WORDS as u64,
-        W_HEARTBEAT as u64,
+        Header::HASH,
+        WorkerLine::HASH,
+        PoolHead::HASH,
+        Summary::HASH,
+        Slot::HASH,
+        TenantEntry::HASH,
+        PoolBlock::HASH,
+        KeyEntry::HASH,
+        Layout::HASH,
     ];
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut h = FNV_BASIS;
     let mut i = 0;
     while i < parts.len() {
-        h ^= parts[i];
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        h = mix(h, parts[i]);
         i += 1;
     }
     h
 };
+
+// The lines stay lines: a hot word of one owner never shares a line pair with another's.
+const _: () = assert!(Header::WORDS == LINE && WorkerLine::WORDS == LINE);
+const _: () = assert!(PoolHead::WORDS == LINE && Summary::WORDS == LINE && Slot::WORDS == LINE);
+const _: () = assert!(PoolBlock::WORDS.is_multiple_of(LINE) && KEYS_AT.is_multiple_of(LINE));
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum AttachError {
@@ -359,11 +554,11 @@ impl<'a> Region<'a> {
     }
 
     fn worker_word(&self, w: usize, k: usize) -> &'a AtomicU64 {
-        &self.words[LINE * (1 + w) + k]
+        &self.words[WORKERS_AT + w * WorkerLine::WORDS + k]
     }
 
     fn pool_base(&self, p: usize) -> usize {
-        POOLS_AT + p * POOL_LINES * LINE
+        POOLS_AT + p * PoolBlock::WORDS
     }
 
     fn pool_word(&self, p: usize, k: usize) -> &'a AtomicU64 {
@@ -371,11 +566,11 @@ impl<'a> Region<'a> {
     }
 
     fn summary_word(&self, p: usize, w: usize, k: usize) -> &'a AtomicU64 {
-        &self.words[self.pool_base(p) + LINE * (1 + w) + k]
+        &self.words[self.pool_base(p) + SUMMARIES_AT + w * Summary::WORDS + k]
     }
 
     fn slot_word(&self, p: usize, s: usize, k: usize) -> &'a AtomicU64 {
-        &self.words[self.pool_base(p) + LINE * (1 + MAX_WORKERS + s) + k]
+        &self.words[self.pool_base(p) + SLOTS_AT + s * Slot::WORDS + k]
     }
 
     // ---- worker slots (the supervisor writes state and pid; the worker its heartbeat) -------
@@ -406,19 +601,61 @@ impl<'a> Region<'a> {
 
     // ---- pools and instance slots -------------------------------------------------------
 
+    /// Whether pool slot `p` was claimed by a pool.
+    pub fn pool_in_use(&self, p: usize) -> bool {
+        p < MAX_POOLS && self.pool_word(p, P_ID).load(Acquire) != 0
+    }
+
     /// The pool slot of pool `id` (a stable hash of its name, nonzero), claimed if new.
     pub fn pool_slot(&self, id: u64) -> Option<usize> {
         claim(|p| self.pool_word(p, P_ID), MAX_POOLS, id.saturating_add(1))
     }
 
-    /// The slot of instance `id` in pool slot `p`, claimed if new (ids 0 and 1 are distinct:
-    /// a cell holds the id + 1, 0 being empty).
-    pub fn instance_slot(&self, p: usize, id: u64) -> Option<usize> {
-        claim(
+    /// The cell of instance `id` in pool slot `p`, joined by worker `w` (claimed if no cell
+    /// holds it; ids 0 and 1 are distinct). `None`: every cell is used by other instances.
+    pub fn instance_slot(&self, p: usize, id: u64, w: usize) -> Option<usize> {
+        cells::bind(
             |s| self.slot_word(p, s, I_ID),
             MAX_SLOTS,
-            id.saturating_add(1),
+            cells::key_of(id),
+            w,
         )
+    }
+
+    /// SPEC §12 "region cells of removed instances ... are reclaimed": worker `w` no longer
+    /// uses instance cell `s` (its instance was removed and nothing of `w` runs on it); the
+    /// last worker to leave resets the cell and frees it. Returns whether it was freed.
+    pub fn leave_instance(&self, p: usize, s: usize, w: usize) -> bool {
+        cells::unbind(
+            self.slot_word(p, s, I_ID),
+            w,
+            || false,
+            || self.reset_slot(p, s),
+        )
+    }
+
+    fn reset_slot(&self, p: usize, s: usize) {
+        for k in [
+            I_LEASE,
+            I_HEALTH,
+            I_PROBE,
+            I_PROBE_CLAIM,
+            I_TRIALS,
+            I_FAILURES,
+            I_LIMIT,
+        ] {
+            self.slot_word(p, s, k).store(0, Release);
+        }
+    }
+
+    /// Instance cells in use in pool slot `p`.
+    pub fn instance_cells_used(&self, p: usize) -> usize {
+        cells::used(|s| self.slot_word(p, s, I_ID), MAX_SLOTS)
+    }
+
+    /// The workers using instance cell `s` (a bit set).
+    pub fn instance_users(&self, p: usize, s: usize) -> u64 {
+        cells::users_of(self.slot_word(p, s, I_ID).load(Acquire))
     }
 
     pub fn lease(&self, p: usize, s: usize) -> &'a AtomicU64 {
@@ -602,15 +839,46 @@ impl<'a> Region<'a> {
     }
 
     fn tenant_word(&self, p: usize, k: usize, grants: bool) -> &'a AtomicU64 {
-        let base = self.pool_base(p) + LINE * (1 + MAX_WORKERS + MAX_SLOTS);
-        &self.words[base + 2 * k + usize::from(grants)]
+        let at = if grants { T_GRANTS } else { T_KEY };
+        &self.words[self.pool_base(p) + TENANTS_AT + k * TenantEntry::WORDS + at]
     }
 
-    /// The tenant table's entry of `tenant` in pool `p` (claimed if new; the last entry is
+    /// The tenant table's entry of `tenant` in pool `p`, joined by worker `w` (claimed if
+    /// new; with the table full, entries nobody uses are swept first); `None` when every entry
+    /// but the overflow one is in use (then the caller counts the tenant in `TENANT_OVERFLOW`,
     /// shared by every tenant past the table's size).
-    pub fn tenant_slot(&self, p: usize, tenant: u32) -> usize {
-        let id = u64::from(tenant) + 1;
-        claim(|k| self.tenant_word(p, k, false), MAX_TENANTS - 1, id).unwrap_or(MAX_TENANTS - 1)
+    pub fn tenant_slot(&self, p: usize, tenant: u32, w: usize) -> Option<usize> {
+        let key = cells::key_of(u64::from(tenant));
+        let entry = |k| self.tenant_word(p, k, false);
+        cells::bind(entry, TENANT_OVERFLOW, key, w).or_else(|| {
+            for k in 0..TENANT_OVERFLOW {
+                cells::sweep(entry(k), w, || {
+                    self.tenant_word(p, k, true).store(0, Release)
+                });
+            }
+            cells::bind(entry, TENANT_OVERFLOW, key, w)
+        })
+    }
+
+    /// SPEC §12 "idle tenants ... are reclaimed": worker `w` has nothing of entry `k`'s tenant
+    /// waiting any more. The last worker to leave frees the entry if its tenant is not ahead
+    /// (a tenant that comes back joins at the pool's virtual time, as an idle one does, so it
+    /// loses nothing); one ahead — it was served last — keeps its count, free to join, until
+    /// others catch up or the table needs the room.
+    pub fn leave_tenant(&self, p: usize, k: usize, w: usize) -> bool {
+        if k >= TENANT_OVERFLOW {
+            return false;
+        }
+        let grants = self.tenant_word(p, k, true);
+        let ahead = || grants.load(Acquire) >= self.pool_word(p, P_VIRTUAL_TIME).load(Acquire);
+        cells::unbind(self.tenant_word(p, k, false), w, ahead, || {
+            grants.store(0, Release)
+        })
+    }
+
+    /// Tenant entries in use in pool slot `p` (the overflow entry not counted).
+    pub fn tenant_cells_used(&self, p: usize) -> usize {
+        cells::used(|k| self.tenant_word(p, k, false), TENANT_OVERFLOW)
     }
 
     /// Grants to the tenant of table entry `k`, by every worker (SPEC §12 fair share).
@@ -776,19 +1044,188 @@ impl<'a> Region<'a> {
             }
             for s in 0..MAX_SLOTS {
                 if self.slot_word(p, s, I_ID).load(Acquire) == 0 {
-                    break; // slots are claimed in order
+                    continue; // cells are freed and reused in any order
                 }
                 units += clear(self.lease(p, s), w, self.bits);
                 clear(self.slot_word(p, s, I_TRIALS), w, self.bits);
             }
+            // Then the cells it used: a free it began is completed, the last user's leaving
+            // frees (what it held is already cleared above).
+            cells::reclaim(
+                |s| self.slot_word(p, s, I_ID),
+                MAX_SLOTS,
+                w,
+                |s| self.reset_slot(p, s),
+            );
+            cells::reclaim(
+                |k| self.tenant_word(p, k, false),
+                TENANT_OVERFLOW,
+                w,
+                |k| self.tenant_word(p, k, true).store(0, Release),
+            );
             self.publish_waiting(p, w, 0, 0, None, None);
             self.publish_turns(p, w, None, None);
             clear(self.places(p, true), w, self.bits);
             clear(self.places(p, false), w, self.bits);
         }
+        cells::reclaim(
+            |k| self.key_word(k, K_KEY),
+            MAX_KEYS,
+            w,
+            |k| self.reset_key(k),
+        );
+        // SPEC §16 "a dead worker's share is returned": the bytes it held.
+        self.worker_word(w, W_BUFFERED).store(0, Release);
         state.store((cur >> 8) << 8 | WORKER_FREE, Release);
         units
     }
+
+    // ---- whole-gateway limits outside the scheduler (SPEC §12) ---------------------------
+
+    /// SPEC §16 `limits.max_buffered_bytes` per host: worker `w` holds `n` more request bytes
+    /// if every worker's together stay within `max`. Optimistic and exact: add to its own
+    /// word, read the sum, give back if over (two racing takers may both give back; never do
+    /// both stay over). A dead worker's word is cleared at reclaim.
+    pub fn take_bytes(&self, w: usize, n: u64, max: u64) -> bool {
+        let mine = self.worker_word(w, W_BUFFERED);
+        mine.fetch_add(n, SeqCst);
+        if self.buffered() > max {
+            mine.fetch_sub(n, SeqCst);
+            return false;
+        }
+        true
+    }
+
+    /// Worker `w` gives back `n` request bytes (never below what it holds).
+    pub fn give_bytes(&self, w: usize, n: u64) {
+        let mine = self.worker_word(w, W_BUFFERED);
+        let mut cur = mine.load(Acquire);
+        while let Err(now) = mine.compare_exchange_weak(cur, cur.saturating_sub(n), AcqRel, Acquire)
+        {
+            cur = now;
+        }
+    }
+
+    /// Request bytes held by every worker of the host.
+    pub fn buffered(&self) -> u64 {
+        (0..self.workers)
+            .map(|w| self.worker_word(w, W_BUFFERED).load(SeqCst))
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// Request bytes held by worker `w`.
+    pub fn buffered_by(&self, w: usize) -> u64 {
+        self.worker_word(w, W_BUFFERED).load(Acquire)
+    }
+
+    fn key_word(&self, k: usize, at: usize) -> &'a AtomicU64 {
+        &self.words[KEYS_AT + k * KeyEntry::WORDS + at]
+    }
+
+    fn reset_key(&self, k: usize) {
+        self.key_word(k, K_RPM).store(0, Release);
+        self.key_word(k, K_TPM).store(0, Release);
+    }
+
+    /// The entry of API key `id` (a stable hash of its name), joined by worker `w` (claimed
+    /// if new). `None`: every entry is used by other keys.
+    pub fn key_slot(&self, id: u64, w: usize) -> Option<usize> {
+        cells::bind(|k| self.key_word(k, K_KEY), MAX_KEYS, cells::key_of(id), w)
+    }
+
+    /// Worker `w` no longer has key entry `k` configured; the last to leave frees it.
+    pub fn leave_key(&self, k: usize, w: usize) -> bool {
+        cells::unbind(self.key_word(k, K_KEY), w, || false, || self.reset_key(k))
+    }
+
+    /// API key entries in use.
+    pub fn key_cells_used(&self) -> usize {
+        cells::used(|k| self.key_word(k, K_KEY), MAX_KEYS)
+    }
+
+    fn bucket(&self, k: usize, tokens: bool) -> &'a AtomicU64 {
+        self.key_word(k, if tokens { K_TPM } else { K_RPM })
+    }
+
+    /// SPEC §12 per-key `rpm`/`tpm` once per gateway: takes `cost` from key entry `k`'s
+    /// request (`tokens` false) or token bucket of `per_minute`, which holds one minute's
+    /// worth at most (a burst of it, then the rate, as each process's own bucket did). GCRA
+    /// on one word (the bucket's "theoretical arrival time" in µs): `Ok(())` if taken, else
+    /// `Err(µs until it would be)` (`u64::MAX`: never, `cost` is above a minute's worth).
+    pub fn take_bucket(
+        &self,
+        k: usize,
+        tokens: bool,
+        cost: u64,
+        per_minute: u64,
+        now_us: u64,
+    ) -> Result<(), u64> {
+        let per_minute = per_minute.max(1);
+        if cost > per_minute {
+            return Err(u64::MAX);
+        }
+        let word = self.bucket(k, tokens);
+        let need = gcra_span(cost, per_minute);
+        let mut tat = word.load(Acquire);
+        loop {
+            let start = tat.max(now_us);
+            let after = start.saturating_add(need);
+            if after > now_us.saturating_add(MINUTE_US) {
+                return Err(after - now_us - MINUTE_US);
+            }
+            match word.compare_exchange_weak(tat, after, AcqRel, Acquire) {
+                Ok(_) => return Ok(()),
+                Err(v) => tat = v,
+            }
+        }
+    }
+
+    /// Gives `cost` back to a bucket (an estimate that was too high), never past full.
+    pub fn refund_bucket(&self, k: usize, tokens: bool, cost: u64, per_minute: u64, now_us: u64) {
+        let word = self.bucket(k, tokens);
+        let back = gcra_span(cost, per_minute.max(1));
+        let mut tat = word.load(Acquire);
+        loop {
+            let new = tat.saturating_sub(back).max(now_us.min(tat));
+            match word.compare_exchange_weak(tat, new, AcqRel, Acquire) {
+                Ok(_) => return,
+                Err(v) => tat = v,
+            }
+        }
+    }
+
+    /// Charges `cost` more to a bucket whatever its level (usage above the estimate): later
+    /// requests wait for it.
+    pub fn charge_bucket(&self, k: usize, tokens: bool, cost: u64, per_minute: u64, now_us: u64) {
+        let word = self.bucket(k, tokens);
+        let more = gcra_span(cost, per_minute.max(1));
+        let mut tat = word.load(Acquire);
+        loop {
+            let new = tat.max(now_us).saturating_add(more);
+            match word.compare_exchange_weak(tat, new, AcqRel, Acquire) {
+                Ok(_) => return,
+                Err(v) => tat = v,
+            }
+        }
+    }
+
+    /// What a bucket holds now (whole units, at most `per_minute`).
+    pub fn bucket_level(&self, k: usize, tokens: bool, per_minute: u64, now_us: u64) -> u64 {
+        let per_minute = per_minute.max(1);
+        let tat = self.bucket(k, tokens).load(Acquire);
+        let used = tat.saturating_sub(now_us);
+        let used_units =
+            (u128::from(used) * u128::from(per_minute)).div_ceil(u128::from(MINUTE_US));
+        per_minute.saturating_sub(used_units.min(u128::from(u64::MAX)) as u64)
+    }
+}
+
+const MINUTE_US: u64 = 60_000_000;
+
+/// µs of a minute that `cost` of `per_minute` stands for.
+fn gcra_span(cost: u64, per_minute: u64) -> u64 {
+    let span = u128::from(cost) * u128::from(MINUTE_US) / u128::from(per_minute);
+    span.min(u128::from(u64::MAX)) as u64
 }
 
 /// The earlier of two optional times.
@@ -800,8 +1237,9 @@ pub fn min_opt(a: Option<Millis>, b: Option<Millis>) -> Option<Millis> {
     }
 }
 
-/// Finds the cell holding `id` among `n`, claiming the first empty one (by CAS) if none does.
-/// Cells are claimed in order and never freed, so a scan stops at the first empty cell.
+/// Finds the pool cell holding `id` among `n`, claiming the first empty one (by CAS) if none
+/// does. Pool cells are claimed in order and never freed (a pool's name is its identity; a
+/// host has few), so a scan stops at the first empty cell.
 fn claim<'a>(cell: impl Fn(usize) -> &'a AtomicU64, n: usize, id: u64) -> Option<usize> {
     for k in 0..n {
         let c = cell(k);
@@ -878,21 +1316,22 @@ mod tests {
         assert_eq!(r.pool_slot(77), Some(p));
         assert_ne!(r.pool_slot(78), Some(p));
         assert_ne!(
-            r.instance_slot(p, 0),
-            r.instance_slot(p, 1),
+            r.instance_slot(p, 0, 0),
+            r.instance_slot(p, 1, 0),
             "ids 0 and 1 are two"
         );
-        let a = r.instance_slot(p, 5).unwrap();
-        let b = r.instance_slot(p, 6).unwrap();
+        let a = r.instance_slot(p, 5, 0).unwrap();
+        let b = r.instance_slot(p, 6, 1).unwrap();
         assert_ne!(a, b);
-        assert_eq!(r.instance_slot(p, 5), Some(a));
+        assert_eq!(r.instance_slot(p, 5, 1), Some(a));
     }
 
     #[test]
     fn reclaim_frees_exactly_the_dead_workers_units() {
         let (_, r) = region(3);
         let p = r.pool_slot(1).unwrap();
-        let s = r.instance_slot(p, 9).unwrap();
+        let s = r.instance_slot(p, 9, 0).unwrap();
+        assert_eq!(r.instance_slot(p, 9, 1), Some(s));
         assert!(r.take(p, s, 0, 4) && r.take(p, s, 1, 4) && r.take(p, s, 1, 4));
         r.publish_waiting(p, 1, 2, 3, Some(10), Some(5));
         assert_eq!(r.peers_waiting(p, 0).low, 3);
@@ -900,6 +1339,78 @@ mod tests {
         assert_eq!(r.held(p, s), 1);
         assert_eq!(r.held_by(p, s, 0), 1);
         assert_eq!(r.peers_waiting(p, 0), PeerWaiting::default());
+        assert_eq!(r.instance_users(p, s), 0b01, "it left the cell");
+    }
+
+    #[test]
+    fn the_layout_is_what_the_hash_covers() {
+        // Every word index comes from the structs the hash is computed over.
+        assert_eq!(REGION_BYTES, std::mem::size_of::<Layout>());
+        assert_eq!(I_LEASE, 1);
+        assert_eq!(
+            SLOTS_AT,
+            LINE * (1 + MAX_WORKERS),
+            "head and summaries first"
+        );
+        assert_eq!(KEYS_AT, POOLS_AT + MAX_POOLS * PoolBlock::WORDS);
+        assert_ne!(Slot::HASH, Summary::HASH, "names and offsets are hashed");
+    }
+
+    #[test]
+    fn an_instance_cell_is_freed_and_reset_when_its_last_worker_leaves() {
+        let (_, r) = region(2);
+        let p = r.pool_slot(1).unwrap();
+        let s = r.instance_slot(p, 9, 0).unwrap();
+        assert_eq!(r.instance_slot(p, 9, 1), Some(s));
+        r.publish_ejection(p, s, 500);
+        r.count_failure(p, s);
+        assert!(r.take(p, s, 1, 4) && r.give(p, s, 1));
+        assert!(!r.leave_instance(p, s, 0));
+        assert!(r.leave_instance(p, s, 1));
+        assert_eq!(r.instance_cells_used(p), 0);
+        let again = r.instance_slot(p, 10, 0).unwrap();
+        assert_eq!(again, s, "the freed cell is reused");
+        assert_eq!(
+            r.ejection(p, again),
+            (0, 0),
+            "and holds nothing of the old one"
+        );
+    }
+
+    #[test]
+    fn buffered_bytes_hold_per_host_and_a_dead_workers_come_back() {
+        let (_, r) = region(2);
+        assert!(r.take_bytes(0, 600, 1000));
+        assert!(!r.take_bytes(1, 500, 1000), "the bound is the host's");
+        assert!(r.take_bytes(1, 400, 1000));
+        assert_eq!(r.buffered(), 1000);
+        assert_eq!(r.reclaim(0), 0);
+        assert_eq!((r.buffered(), r.buffered_by(1)), (400, 400));
+        r.give_bytes(1, 10_000);
+        assert_eq!(r.buffered(), 0);
+    }
+
+    #[test]
+    fn a_key_bucket_allows_a_minute_then_the_rate() {
+        let (_, r) = region(2);
+        let k = r.key_slot(77, 0).unwrap();
+        assert_eq!(r.key_slot(77, 1), Some(k));
+        let now = 1_000_000_000;
+        for _ in 0..10 {
+            assert_eq!(r.take_bucket(k, false, 1, 10, now), Ok(()));
+        }
+        assert_eq!(r.take_bucket(k, false, 1, 10, now), Err(6_000_000));
+        assert_eq!(r.bucket_level(k, false, 10, now), 0);
+        assert_eq!(r.take_bucket(k, false, 1, 10, now + 6_000_000), Ok(()));
+        assert_eq!(r.take_bucket(k, true, 11, 10, now), Err(u64::MAX));
+        assert_eq!(r.take_bucket(k, true, 8, 10, now), Ok(()));
+        r.refund_bucket(k, true, 5, 10, now);
+        assert_eq!(r.bucket_level(k, true, 10, now), 7);
+        r.charge_bucket(k, true, 20, 10, now);
+        assert_eq!(r.bucket_level(k, true, 10, now), 0);
+        assert!(!r.leave_key(k, 0));
+        assert!(r.leave_key(k, 1));
+        assert_eq!(r.key_cells_used(), 0);
     }
 
     #[test]

@@ -129,3 +129,136 @@ fn a_freed_unit_and_a_new_waiter_always_meet() {
         );
     });
 }
+
+// ---- SPEC §12 "Bounded and reclaimed": the cells' claim, join, leave and reclaim (cells.rs) --
+
+mod cells_model {
+    use super::*;
+    use gateway_core::cells::{bind, is_live, key_of, reclaim, unbind, users_of};
+    use loom::sync::atomic::Ordering::Release;
+
+    const N: usize = 3;
+
+    fn table() -> Arc<Vec<AtomicU64>> {
+        Arc::new((0..N).map(|_| AtomicU64::new(0)).collect())
+    }
+
+    /// Cells holding `key` live.
+    fn live_cells(t: &[AtomicU64], key: u64) -> usize {
+        t.iter()
+            .filter(|c| {
+                let v = c.load(Acquire);
+                is_live(v) && v & ((1 << 48) - 1) == key
+            })
+            .count()
+    }
+
+    #[test]
+    fn two_workers_binding_a_new_key_at_once_end_in_one_cell() {
+        model(|| {
+            let t = table();
+            let key = key_of(7);
+            let racers: Vec<_> = (0..2)
+                .map(|w| {
+                    let t = t.clone();
+                    thread::spawn(move || bind(|k| &t[k], N, key, w))
+                })
+                .collect();
+            let got: Vec<_> = racers.into_iter().map(|r| r.join().unwrap()).collect();
+            assert!(got[0].is_some() && got[0] == got[1], "one cell: {got:?}");
+            assert_eq!(live_cells(&t, key), 1);
+            assert_eq!(users_of(t[got[0].unwrap()].load(Acquire)), 0b11);
+        });
+    }
+
+    #[test]
+    fn a_cell_is_never_freed_under_a_worker_that_joins_it() {
+        model(|| {
+            let t = table();
+            let data = Arc::new(AtomicU64::new(5)); // the cell's other words
+            let key = key_of(7);
+            let k = bind(|k| &t[k], N, key, 0).unwrap();
+            let leaver = {
+                let (t, data) = (t.clone(), data.clone());
+                thread::spawn(move || {
+                    unbind(&t[k], 0, || false, || data.store(0, Release));
+                })
+            };
+            let joiner = {
+                let (t, data) = (t.clone(), data.clone());
+                thread::spawn(move || {
+                    let got = bind(|k| &t[k], N, key, 1);
+                    (got, data.load(Acquire))
+                })
+            };
+            leaver.join().unwrap();
+            let (got, seen) = joiner.join().unwrap();
+            let v = t[got.unwrap()].load(Acquire);
+            assert!(
+                is_live(v) && users_of(v) == 0b10,
+                "the joiner holds a live cell"
+            );
+            assert_eq!(live_cells(&t, key), 1);
+            if got == Some(k) && seen == 5 {
+                // It joined the old cell before the leave (`data` is cell k's): the leaver was
+                // not the last user, so nothing of the cell was reset under it.
+                assert_eq!(data.load(Acquire), 5);
+            }
+        });
+    }
+
+    #[test]
+    fn a_claim_left_by_a_killed_worker_blocks_nobody() {
+        model(|| {
+            let t = table();
+            let key = key_of(7);
+            // Worker 1 was killed while claiming: its pending claim is in cell 0.
+            t[0].store(1 << 62 | 1 << 56 | key, Release);
+            let binder = {
+                let t = t.clone();
+                thread::spawn(move || bind(|k| &t[k], N, key, 0))
+            };
+            // The supervisor reclaims worker 1 meanwhile.
+            reclaim(|k| &t[k], N, 1, |_| ());
+            let got = binder.join().unwrap().unwrap();
+            assert_eq!(users_of(t[got].load(Acquire)), 0b01);
+            assert_eq!(live_cells(&t, key), 1);
+        });
+    }
+
+    #[test]
+    fn a_dead_workers_cells_are_left_and_freed_once() {
+        model(|| {
+            let t = table();
+            let resets = Arc::new(AtomicU64::new(0));
+            let key = key_of(7);
+            let k = bind(|k| &t[k], N, key, 0).unwrap();
+            assert_eq!(bind(|k| &t[k], N, key, 1), Some(k));
+            // Worker 1 (alive) leaves while the supervisor reclaims dead worker 0.
+            let leaver = {
+                let (t, resets) = (t.clone(), resets.clone());
+                thread::spawn(move || {
+                    unbind(
+                        &t[k],
+                        1,
+                        || false,
+                        || {
+                            resets.fetch_add(1, Release);
+                        },
+                    );
+                })
+            };
+            reclaim(
+                |k| &t[k],
+                N,
+                0,
+                |_| {
+                    resets.fetch_add(1, Release);
+                },
+            );
+            leaver.join().unwrap();
+            assert_eq!(resets.load(Acquire), 1, "freed exactly once");
+            assert_eq!(t[k].load(Acquire), 0);
+        });
+    }
+}

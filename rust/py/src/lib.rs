@@ -111,6 +111,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Region>()?;
     m.add("REGION_BYTES", core::shm::REGION_BYTES)?;
     m.add("MAX_WORKERS", core::shm::MAX_WORKERS)?;
+    m.add("MAX_KEYS", core::shm::MAX_KEYS)?;
     m.add("GatewayError", py.get_type::<GatewayError>())?;
     m.add("QueueFull", py.get_type::<QueueFull>())?;
     m.add("NoHealthyInstance", py.get_type::<NoHealthyInstance>())?;

@@ -12,8 +12,47 @@ pub struct Region {
     pub inner: shm::Region<'static>,
 }
 
+/// SPEC §12 "a region file of the wrong size or without its seals is refused": mapping a file
+/// shorter than the region would SIGBUS the process at the first access past its end, and one
+/// that can still shrink could be cut under the workers. The supervisor (`init`) seals a
+/// memfd that lacks the seals; a worker refuses one that lacks them.
+fn check_fd(fd: i32, init: bool) -> PyResult<()> {
+    // SAFETY: `fstat` writes into the zeroed `stat` we own; `fcntl` takes plain integers.
+    let (size, seals) = unsafe {
+        let mut st: libc::stat = std::mem::zeroed();
+        if libc::fstat(fd, &mut st) != 0 {
+            return Err(PyOSError::new_err(format!(
+                "shared region fd {fd}: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        (st.st_size, libc::fcntl(fd, libc::F_GET_SEALS))
+    };
+    if size != shm::REGION_BYTES as libc::off_t {
+        return Err(PyValueError::new_err(format!(
+            "shared region file is {size} bytes, this build's region is {} bytes: \
+             refused (a region of another gateway version, or not a region at all)",
+            shm::REGION_BYTES
+        )));
+    }
+    let need = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+    if seals >= 0 && seals & need == need {
+        return Ok(());
+    }
+    // SAFETY: as above.
+    if init && seals >= 0 && unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, need) } == 0 {
+        return Ok(());
+    }
+    Err(PyValueError::new_err(
+        "shared region file is not sealed against shrinking and growing (F_SEAL_SHRINK, \
+         F_SEAL_GROW): refused, it could be cut under the workers (a memfd created with \
+         MFD_ALLOW_SEALING and sealed by the supervisor is expected)",
+    ))
+}
+
 fn map(fd: i32) -> PyResult<&'static [AtomicU64]> {
-    // SAFETY: a fresh shared mapping of `REGION_BYTES` of the file; `mmap` returns page-aligned
+    // SAFETY: a fresh shared mapping of `REGION_BYTES` of a file `check_fd` found exactly that
+    // long and sealed against shrinking (so no access can fault); `mmap` returns page-aligned
     // memory (so aligned for `AtomicU64`), zero-filled where the file was never written, and
     // every access to it goes through atomics (no `&mut`, no non-atomic reads), which is what
     // memory shared with other processes requires. It is never unmapped, so `'static` holds.
@@ -40,14 +79,17 @@ fn map(fd: i32) -> PyResult<&'static [AtomicU64]> {
 
 #[pymethods]
 impl Region {
-    /// Maps the region in file `fd` (at least `REGION_BYTES` long). With `workers`, writes a
-    /// fresh header for that many worker slots (the supervisor, once); without, checks the
-    /// header (magic, layout version, ABI hash) and refuses a region of another build.
+    /// Maps the region in file `fd`, which must be exactly `REGION_BYTES` long and sealed
+    /// against shrinking and growing (the supervisor's `init` adds the seals if it can). With
+    /// `workers`, writes a fresh header for that many worker slots (the supervisor, once);
+    /// without, checks the header (magic, layout version, ABI hash) and refuses a region of
+    /// another build.
     #[new]
     #[pyo3(signature = (fd, workers = None))]
     fn new(fd: i32, workers: Option<usize>) -> PyResult<Self> {
         // Every atomic the region holds must be lock-free (no per-process fallback lock).
         const _: () = assert!(cfg!(target_has_atomic = "64"));
+        check_fd(fd, workers.is_some())?;
         let words = map(fd)?;
         let inner = match workers {
             Some(n) => shm::Region::init(words, n),
@@ -87,9 +129,133 @@ impl Region {
         self.check(worker)?;
         Ok(self.inner.reclaim(worker))
     }
+
+    // ---- SPEC §12 whole-gateway limits across workers ----------------------------------
+
+    /// SPEC §16 `limits.max_buffered_bytes` per host: worker `worker` holds `n` more bytes if
+    /// every worker's together stay within `max` (else nothing changes).
+    fn take_bytes(&self, worker: usize, n: u64, max: u64) -> PyResult<bool> {
+        self.check(worker)?;
+        Ok(self.inner.take_bytes(worker, n, max))
+    }
+
+    fn give_bytes(&self, worker: usize, n: u64) -> PyResult<()> {
+        self.check(worker)?;
+        self.inner.give_bytes(worker, n);
+        Ok(())
+    }
+
+    /// Request bytes held by every worker of the host.
+    #[getter]
+    fn buffered(&self) -> u64 {
+        self.inner.buffered()
+    }
+
+    fn buffered_by(&self, worker: usize) -> PyResult<u64> {
+        self.check(worker)?;
+        Ok(self.inner.buffered_by(worker))
+    }
+
+    /// The entry of API key `key_id` (a stable hash of its name) for `worker`, or `None` when
+    /// the key table is full.
+    fn key_slot(&self, key_id: u64, worker: usize) -> PyResult<Option<usize>> {
+        self.check(worker)?;
+        Ok(self.inner.key_slot(key_id, worker))
+    }
+
+    fn leave_key(&self, slot: usize, worker: usize) -> PyResult<bool> {
+        self.check(worker)?;
+        Self::check_key(slot)?;
+        Ok(self.inner.leave_key(slot, worker))
+    }
+
+    /// Takes `cost` from key entry `slot`'s request (`tokens` false) or token bucket of
+    /// `per_minute`: 0 if taken, else µs until it would be (2**64-1: never).
+    fn take_bucket(
+        &self,
+        slot: usize,
+        tokens: bool,
+        cost: u64,
+        per_minute: u64,
+        now_us: u64,
+    ) -> PyResult<u64> {
+        Self::check_key(slot)?;
+        Ok(self
+            .inner
+            .take_bucket(slot, tokens, cost, per_minute, now_us)
+            .map_or_else(|wait| wait.max(1), |()| 0))
+    }
+
+    fn refund_bucket(
+        &self,
+        slot: usize,
+        tokens: bool,
+        cost: u64,
+        per_minute: u64,
+        now_us: u64,
+    ) -> PyResult<()> {
+        Self::check_key(slot)?;
+        self.inner
+            .refund_bucket(slot, tokens, cost, per_minute, now_us);
+        Ok(())
+    }
+
+    fn charge_bucket(
+        &self,
+        slot: usize,
+        tokens: bool,
+        cost: u64,
+        per_minute: u64,
+        now_us: u64,
+    ) -> PyResult<()> {
+        Self::check_key(slot)?;
+        self.inner
+            .charge_bucket(slot, tokens, cost, per_minute, now_us);
+        Ok(())
+    }
+
+    fn bucket_level(
+        &self,
+        slot: usize,
+        tokens: bool,
+        per_minute: u64,
+        now_us: u64,
+    ) -> PyResult<u64> {
+        Self::check_key(slot)?;
+        Ok(self.inner.bucket_level(slot, tokens, per_minute, now_us))
+    }
+
+    /// SPEC §16 what the region's tables hold: (instance cells in use, per pool in use;
+    /// tenant entries in use, likewise; API key entries in use).
+    fn tables(&self) -> (Vec<usize>, Vec<usize>, usize) {
+        let pools: Vec<usize> = (0..shm::MAX_POOLS)
+            .filter(|&p| self.inner.pool_in_use(p))
+            .collect();
+        (
+            pools
+                .iter()
+                .map(|&p| self.inner.instance_cells_used(p))
+                .collect(),
+            pools
+                .iter()
+                .map(|&p| self.inner.tenant_cells_used(p))
+                .collect(),
+            self.inner.key_cells_used(),
+        )
+    }
 }
 
 impl Region {
+    fn check_key(slot: usize) -> PyResult<()> {
+        if slot >= shm::MAX_KEYS {
+            return Err(PyValueError::new_err(format!(
+                "key entry {slot} out of range (0..{})",
+                shm::MAX_KEYS
+            )));
+        }
+        Ok(())
+    }
+
     fn check(&self, worker: usize) -> PyResult<()> {
         if worker >= self.inner.workers() {
             return Err(PyValueError::new_err(format!(
