@@ -3,7 +3,8 @@ any worker.
 
 Only what real processes show is here: serving on one port (SO_REUSEPORT) with the cap held
 across processes, kill -9 costing only the killed worker's connections, reload and drain
-reaching every worker, /metrics and /admin/state of the whole gateway, the restart policy. The
+reaching every worker, /metrics and /admin/state of the whole gateway, one short run of the
+restart policy (the policy itself runs on a manual clock in test_restart_policy.py). The
 rules of the shared scheduling state (one queue, 7:3 and the starvation guard over the union,
 the cap, one health state, one probe per interval, a dead worker's share reclaimed) are tested
 in one process with a test clock in test_shared_state.py. The kill -9 soak is `slow` (`make
@@ -417,9 +418,8 @@ async def test_kill_9_of_workers_under_load_soak(tmp_path: Path, mocks: MockFact
 
 async def test_a_hung_worker_is_killed_and_replaced(tmp_path: Path, mocks: MockFactory) -> None:
     m = await mocks()
-    # A starting worker counts as hung too when its first heartbeat is late: on a loaded
-    # machine a start takes over a second, so the limit leaves room for one and replacements
-    # come back quickly.
+    # The hang limit applies once a worker has sent its first heartbeat (a starting one has
+    # the start allowance, so its replacement's slow start on a loaded machine is no hang).
     env = {
         "GATEWAY_WORKER_HANG_MS": "1500",
         "GATEWAY_WORKER_BACKOFF_MS": "50",
@@ -536,21 +536,21 @@ async def test_a_saturated_unit_goes_round_every_workers_clients(
         await gw.assert_quiet()
 
 
-async def test_a_worker_killed_again_and_again_is_replaced_with_growing_back_off(
-    tmp_path: Path, mocks: MockFactory
-) -> None:
-    """SPEC §12 restart policy: replaced at once, then with doubling back-off (capped) while
-    the replacements keep dying within seconds; the supervisor never gives up, the other
-    worker serves throughout, and `gateway_worker_restarts_total` counts every replacement."""
+async def test_a_killed_worker_is_replaced_and_counted(tmp_path: Path, mocks: MockFactory) -> None:
+    """SPEC §12 restart policy with real processes: a kill -9 is replaced at once, the next
+    one within seconds of that start after the back-off; the supervisor stays, the other
+    worker serves throughout, and every worker's /metrics counts the replacements in
+    `gateway_worker_restarts_total`. (The policy itself — doubling up to 30 s, never stopping
+    for kills, the start allowance — runs on a manual clock in test_restart_policy.py.)"""
     m = await mocks(latency_ms=5)
-    env = {"GATEWAY_WORKER_BACKOFF_MS": "300", "GATEWAY_WORKER_BACKOFF_MAX_MS": "1200"}
+    env = {"GATEWAY_WORKER_BACKOFF_MS": "200", "GATEWAY_WORKER_BACKOFF_MAX_MS": "400"}
     async with workers(tmp_path, 2, _instances((m, 4)), env=env) as gw:
         slots = gw.slots()
         assert sorted(slots) == [0, 1], "ps tells the workers apart"
         assert _comm(slots[1]) == "gw worker 1/2"  # what top shows
         assert await gw.metric("gateway_worker_restarts_total") == ["0.0"]
         delays: list[float] = []
-        for _ in range(5):
+        for _ in range(2):
             old = gw.slots()[1]
             t0 = time.monotonic()
             os.kill(old, signal.SIGKILL)
@@ -561,14 +561,12 @@ async def test_a_worker_killed_again_and_again_is_replaced_with_growing_back_off
             assert gw.proc.returncode is None
             assert (await gw.chat()).status == 200  # worker 0 serves meanwhile
         print("replacement delays:", [round(d, 3) for d in delays])
-        # At once; then 0.3, 0.6, 1.2 s; then capped at 1.2 s (not 2.4).
-        assert delays[0] < 0.25, delays
-        for got, want in zip(delays[1:], (0.3, 0.6, 1.2, 1.2), strict=True):
-            assert want - 0.05 <= got < want + 0.5, delays
+        assert delays[0] < 0.25, delays  # at once
+        assert 0.15 <= delays[1] < 0.7, delays  # then after the back-off (200 ms)
         await gw.until(lambda d: len(gw.slots()) == 2)
         await gw.assert_quiet()  # both workers answer, nothing held by the dead
-        for _ in range(6):  # any worker's /metrics (fresh connections spread)
-            assert await gw.metric("gateway_worker_restarts_total") == ["5.0"]
+        for _ in range(4):  # any worker's /metrics (fresh connections spread)
+            assert await gw.metric("gateway_worker_restarts_total") == ["2.0"]
 
 
 async def test_a_config_every_worker_refuses_stops_the_supervisor(

@@ -30,6 +30,7 @@ from gateway.auth import KeyRing, Tenant
 from gateway.batch import BATCH_PATHS, BatchApi, BatchService
 from gateway.batch.ports import BatchPorts
 from gateway.batch.relay import BatchRelay, is_batch_path
+from gateway.clock import LOOP_CLOCK, Clock
 from gateway.config import Config
 from gateway.deadline import Watchdog
 from gateway.errors import (
@@ -162,12 +163,14 @@ class Gateway:
         *,
         config_path: str | None = None,
         topology: Topology | None = None,
+        clock: Clock = LOOP_CLOCK,
     ) -> None:
-        # One process, or one of N workers (SPEC §12): decided by the composition root.
+        # One process, or one of N workers (SPEC §12), and the clock the pools run on: both
+        # decided by the composition root.
         topology = topology if topology is not None else Topology.single()
         #: The public, typed event stream (requests answered, instance changes, probes).
         self.events = Events()
-        self.runtime = Runtime(config, self.events, topology.link)
+        self.runtime = Runtime(config, self.events, topology.link, clock)
         self.config_path = config_path
         #: SPEC §7 drain, from the signal on: /readyz answers 503 (load balancers stop sending)
         #: while requests are still served for `shutdown.drain_delay_ms`.

@@ -24,11 +24,12 @@ from gateway._core import Affinity, InstanceState, Outcome, Priority
 from gateway.affinity import prefix_capacity_blocks, stable_id
 from gateway.backend_load import BackendLoad
 from gateway.capacity import Capacity, OwnCapacity
+from gateway.clock import LOOP_CLOCK, Clock, now_ms
 from gateway.cluster.local import LocalLeases
 from gateway.config import Config, PoolSpec
 from gateway.errors import GatewayError
 from gateway.events import Events, InstanceChanged
-from gateway.scheduler import PoolScheduler, now_ms
+from gateway.scheduler import PoolScheduler
 from gateway.topology import WorkerLink
 from gateway.upstream import Upstream
 
@@ -181,17 +182,20 @@ class Pool:
         config: Config,
         events: Events,
         link: WorkerLink | None = None,
+        clock: Clock = LOOP_CLOCK,
     ) -> None:
         self.name = name
         self.spec = spec
         self._events = events
+        # The clock the core's time comes from (the composition root's; a test's manual one).
+        self._now = clock.now_ms
         self._core = _core.Pool(core_config(config, spec), seed=config.seed)
         # SPEC §12: with --workers, this pool is one worker's share of the region (the
         # topology the composition root decided, handed down).
         self._link = link
         if self._link is not None:
             self._core.attach(self._link.region, stable_id(name), self._link.slot)
-        self._scheduler = PoolScheduler(name, self._core, self._on_transition, self._link)
+        self._scheduler = PoolScheduler(name, self._core, self._on_transition, self._link, clock)
         #: SPEC §15: requests carry an affinity key here (`balancer: affinity`).
         self.balancer = spec.balancer or config.balancer
         self.affine = self.balancer == "affinity"
@@ -250,12 +254,12 @@ class Pool:
     def attainable(self, priority: Priority, deadline_ms: int, prompt_tokens: int) -> int:
         """SPEC §17 "Unattainable": 0 when an instance of this pool is predicted to meet the
         deadline (or nothing is calibrated yet: fail open), else when it may be, in ms."""
-        return self._core.attainable(priority, deadline_ms, prompt_tokens, now_ms())
+        return self._core.attainable(priority, deadline_ms, prompt_tokens, self._now())
 
     def best_ttft_ms(self, prompt_tokens: int) -> float:
         """The lowest p90 TTFT predicted for a request of this size on a live instance of
         this pool now (inf: none), to rank pools by speed."""
-        now = now_ms()
+        now = self._now()
         core = self._core
         best = float("inf")
         for i in range(len(self._upstreams)):
@@ -302,7 +306,7 @@ class Pool:
     def claim_probe(self, index: int, interval_ms: int) -> bool:
         """SPEC §12 "one probe per instance per interval, not N": whether this worker probes
         instance `index` in this round (always, for a single process)."""
-        return self._core.claim_probe(index, now_ms(), max(1, interval_ms * 9 // 10))
+        return self._core.claim_probe(index, self._now(), max(1, interval_ms * 9 // 10))
 
     def record_probe(self, index: int, ok: bool) -> None:
         self._capacity.guard()
@@ -323,16 +327,16 @@ class Pool:
             # SPEC §15: the index of what was sent there is "bounded by that instance's cache
             # size" — its own, where vLLM says it (`vllm:cache_config_info`).
             blocks = prefix_capacity_blocks(self._affinity, len(self._upstreams), load.kv_tokens)
-            if self._core.instance(index, now_ms()).prefix_capacity != blocks:
+            if self._core.instance(index, self._now()).prefix_capacity != blocks:
                 self._core.set_prefix_capacity(index, blocks)
 
     def can_take_now(self) -> bool:
         """Whether a request would be dispatched at once (a free slot, nobody waiting)."""
-        return self._core.waiting == 0 and self._core.free_slots(now_ms()) > 0
+        return self._core.waiting == 0 and self._core.free_slots(self._now()) > 0
 
     def saturated(self, min_waiting: int) -> bool:
         """No free slot and at least `min_waiting` requests waiting (tier spill)."""
-        return self._core.waiting >= min_waiting and self._core.free_slots(now_ms()) == 0
+        return self._core.waiting >= min_waiting and self._core.free_slots(self._now()) == 0
 
     def fail_all_waiting(self, make: Callable[[], GatewayError]) -> int:
         """Answers every waiter with the error `make` builds (drain deadline)."""
@@ -361,12 +365,12 @@ class Pool:
 
     def live_upstreams(self) -> list[tuple[int, Upstream]]:
         """The instances of the current config (not the removed, draining ones)."""
-        now = now_ms()
+        now = self._now()
         core = self._core
         return [(i, u) for i, u in enumerate(self._upstreams) if not core.instance(i, now).removed]
 
     def snapshot(self, now: int | None = None) -> PoolSnapshot:
-        now = now_ms() if now is None else now
+        now = self._now() if now is None else now
         self._capacity.guard()  # SPEC §13: an expired lease reads as fenced, never as held
         core = self._core
         free_slots = core.free_slots(now)  # first: in a worker this reads the others' state
@@ -444,7 +448,7 @@ class Pool:
     def _on_transition(self, index: int, state: InstanceState) -> None:
         # SPEC §9 lifecycle events: ejected, half-open, restored.
         event = {"healthy": "restored"}.get(state.label, state.label)
-        info = self._core.instance(index, now_ms())
+        info = self._core.instance(index, self._now())
         name = self._upstreams[index].name
         if self._events:
             self._events.publish(InstanceChanged(self.name, name, state.label, info.ejections))
@@ -519,7 +523,7 @@ class Pool:
             self._backend.pop(up, None)
             await up.close()
         self._replaced.clear()
-        now = now_ms()
+        now = self._now()
         for idx, up in enumerate(self._upstreams):
             info = self._core.instance(idx, now)
             if info.removed and info.in_flight == 0 and not up.closed:

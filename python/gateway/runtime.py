@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+from gateway.clock import LOOP_CLOCK, Clock
 from gateway.config import Config
 from gateway.events import Events
 from gateway.pool import Pool
@@ -18,14 +19,20 @@ class Runtime:
     """Pools and routing of the running config."""
 
     def __init__(
-        self, config: Config, events: Events | None = None, link: WorkerLink | None = None
+        self,
+        config: Config,
+        events: Events | None = None,
+        link: WorkerLink | None = None,
+        clock: Clock = LOOP_CLOCK,
     ) -> None:
         self.config = config
         self._link = link  # SPEC §12: the region new pools attach to (None: one process)
+        self._clock = clock  # what every pool's core reads the time from
         self.events = events if events is not None else Events()
         self.router = Router(config)
         self.pools: dict[str, Pool] = {
-            name: Pool(name, spec, config, self.events, link) for name, spec in config.pools.items()
+            name: Pool(name, spec, config, self.events, link, clock)
+            for name, spec in config.pools.items()
         }
         # Pools removed by a reload, kept until their last attempt finished.
         self.retired: list[Pool] = []
@@ -56,7 +63,7 @@ class Runtime:
         for name, spec in config.pools.items():
             pool = self.pools.get(name)
             if pool is None:
-                pool = Pool(name, spec, config, self.events, self._link)
+                pool = Pool(name, spec, config, self.events, self._link, self._clock)
             else:
                 pool.reconfigure(spec, config)
             pools[name] = pool

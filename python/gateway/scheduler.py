@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Iterable
 
 from gateway import _core
 from gateway._core import Affinity, EventKind, InstanceState, Outcome, Priority
+from gateway.clock import LOOP_CLOCK, Clock, Timer, now_ms
 from gateway.errors import DEFAULT_RETRY_AFTER_MS, GatewayError, NoHealthyInstance, QueueTimeout
 from gateway.topology import WorkerLink
 
@@ -22,11 +22,6 @@ __all__ = ["PoolScheduler", "Unservable", "now_ms"]
 
 _MAX_PAUSE_MS = 2**53
 _U32_MAX = 2**32 - 1
-
-
-def now_ms() -> int:
-    """The monotonic clock every core call is given, in milliseconds."""
-    return time.monotonic_ns() // 1_000_000
 
 
 class Unservable(NoHealthyInstance):
@@ -46,15 +41,20 @@ class PoolScheduler:
         core: _core.Pool,
         on_transition: Callable[[int, InstanceState], None] | None = None,
         link: WorkerLink | None = None,
+        clock: Clock = LOOP_CLOCK,
     ) -> None:
         self.name = name
         self.core = core
+        # The time every core call is given and the wake-up timer runs on (the composition
+        # root's clock; a test's manual one). The function itself, kept: no lookup per call.
+        self._clock = clock
+        self._now = clock.now_ms
         # SPEC §12: the other workers, woken when a unit is theirs to take (None: one process).
         self._link = link
         # Told of every instance state change (ejected, half-open, restored), for the logs.
         self.on_transition = on_transition
         self._waiters: dict[int, tuple[asyncio.Future[tuple[int, Affinity, int]], Priority]] = {}
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: Timer | None = None
         self._timer_at: int | None = None
 
     async def acquire(
@@ -83,7 +83,7 @@ class PoolScheduler:
         granted = core.submit(
             ticket,
             priority,
-            now_ms(),
+            self._now(),
             tenant,
             excluded,
             affinity_key,
@@ -129,19 +129,19 @@ class PoolScheduler:
         # the u64 it crosses the boundary as (an overflow there would lose the slot).
         pause = min(max(0, retry_after_ms), _MAX_PAUSE_MS)
         tokens = min(max(0, output_tokens), _U32_MAX)
-        self.deliver(self.core.release(ticket, outcome, now_ms(), pause, tokens))
+        self.deliver(self.core.release(ticket, outcome, self._now(), pause, tokens))
 
     def first_token(self, ticket: int) -> None:
         """SPEC §17: the first content token of `ticket`'s attempt reached the gateway (the
         instance's TTFT sample)."""
-        self.core.first_token(ticket, now_ms())
+        self.core.first_token(ticket, self._now())
 
     def record_probe(self, index: int, ok: bool) -> None:
-        self.deliver(self.core.record_probe(index, ok, now_ms()))
+        self.deliver(self.core.record_probe(index, ok, self._now()))
 
     def tick(self) -> None:
         """Expires overdue waiters and fills capacity that came back with time."""
-        self.deliver(self.core.tick(now_ms()))
+        self.deliver(self.core.tick(self._now()))
 
     def _transitions(self) -> None:
         for index, state in self.core.take_transitions():
@@ -167,7 +167,7 @@ class PoolScheduler:
                 if fut is None or fut.done():
                     # Its waiter is gone (cannot happen while cancel() runs first, but a
                     # slot must never leak): hand the slot straight back.
-                    self.deliver(self.core.release(ticket, Outcome.NEUTRAL, now_ms()))
+                    self.deliver(self.core.release(ticket, Outcome.NEUTRAL, self._now()))
                 else:
                     fut.set_result((event.instance, event.affinity, event.matched_blocks))
             elif waiter is not None and fut is not None and not fut.done():
@@ -200,11 +200,11 @@ class PoolScheduler:
 
     def retry_after(self, priority: Priority) -> int:
         """The core's estimate of the wait for a new request of this class, in ms."""
-        return self.core.retry_after_ms(priority, now_ms())
+        return self.core.retry_after_ms(priority, self._now())
 
     def _arm(self) -> None:
         """Keeps one timer at the core's next wakeup (earliest deadline or recovery)."""
-        now = now_ms()
+        now = self._now()
         at = self.core.next_wakeup(now)
         if at is None:
             if self._timer is not None:
@@ -215,9 +215,8 @@ class PoolScheduler:
             return
         if self._timer is not None:
             self._timer.cancel()
-        loop = asyncio.get_running_loop()
         self._timer_at = at
-        self._timer = loop.call_at(loop.time() + max(0, at - now) / 1000, self._on_timer)
+        self._timer = self._clock.call_later(at - now, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = self._timer_at = None

@@ -31,11 +31,11 @@ from gateway.admin import Admin
 from gateway.app import Gateway
 from gateway.auth import KeyRing
 from gateway.batch.relay import BatchRelay
+from gateway.clock import LOOP_CLOCK, Clock
 from gateway.config import Config, load_config
 from gateway.errors import ConfigError
 from gateway.health import Prober
 from gateway.redact import REDACTOR, secrets_of
-from gateway.scheduler import now_ms
 from gateway.topology import Topology, WorkerLink
 from gateway.workers import TICK_S
 
@@ -68,14 +68,17 @@ class Server:
         watch: bool = False,
         backlog: int = 4096,
         topology: Topology | None = None,
+        clock: Clock = LOOP_CLOCK,
     ) -> None:
         # The composition root: the topology (one process, or one of N workers: SPEC §12;
         # either of them a cluster member: SPEC §13) is decided here, from what the worker was
-        # handed at its start and the config, and passed down.
+        # handed at its start and the config, and passed down; so is the clock the pools and
+        # the heartbeat read (the real one; a test may hand down its own).
         self.topology = topology if topology is not None else Topology.single()
         if config.cluster is not None:
             self.topology = Topology.cluster(config.cluster, self.topology.link)
-        self.gateway = Gateway(config, config_path=config_path, topology=self.topology)
+        self.clock = clock
+        self.gateway = Gateway(config, config_path=config_path, topology=self.topology, clock=clock)
         self.host = host or config.listen.host
         self.port = port if port is not None else config.listen.port
         self.watch = watch
@@ -301,6 +304,7 @@ class Server:
         """SPEC §12: the heartbeat the supervisor watches for hangs, and a look at the shared
         state every tick — the net under a wake-up that raced (bounded to one tick)."""
         ticks = 0
+        now_ms = self.clock.now_ms
         while True:
             worker.heartbeat(now_ms())
             try:

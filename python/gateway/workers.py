@@ -16,8 +16,10 @@ Crash safety (design/workers.md §3): every unit is held in its owner's field of
 word, so reclaiming a dead worker is clearing its fields. The supervisor watches each worker
 through a pidfd (readable at exit, within milliseconds), reclaims its slot once the process is
 gone (fenced: a dead process writes nothing more), wakes the others and spawns a replacement.
-A worker whose heartbeat stops for `HANG_MS` is killed first. Workers die with the supervisor
-(`PR_SET_PDEATHSIG`), and the memfd with its last descriptor.
+A worker whose heartbeat stops for `HANG_MS` is killed first; one that has not sent its first
+heartbeat yet (it is still starting: imports, config, listening) has `START_ALLOWANCE_MS`
+from its start instead, so a slow start on a loaded host is not taken for a hang. Workers die
+with the supervisor (`PR_SET_PDEATHSIG`), and the memfd with its last descriptor.
 
 Restart policy (SPEC §12): a dead worker is replaced at once, then with doubling back-off (up
 to 30 s) while its replacements keep dying within seconds of starting; the supervisor never
@@ -25,7 +27,10 @@ exits because workers were killed (an OOM-killer storm must not stop the gateway
 SIGTERM/SIGINT or when every slot's worker reports the same start-up error (a bad config: the
 worker writes it to the supervisor's directory before it exits). Replacements are counted in
 `gateway_worker_restarts_total`: the supervisor serves no HTTP, so it keeps the count in a file
-beside the metrics snapshots, which every worker's `/metrics` reads.
+beside the metrics snapshots, which every worker's `/metrics` reads. The policy (when a slot
+is started again, when a worker is hung, when the supervisor stops) is `RestartPolicy`, apart
+from the processes and over a `Clock` the supervisor is handed, so it is tested with a manual
+clock and fake deaths in one process.
 
 Signals: SIGHUP to the supervisor reloads every worker; `POST /admin/reload` to any worker
 reloads it and asks the supervisor (SIGUSR1) to reload the others; SIGTERM/SIGINT drain them
@@ -53,11 +58,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway import _core
+from gateway.clock import LOOP_CLOCK, Clock, Timer
 from gateway.topology import (
     _BATCH_ENV,
     _DIR_ENV,
@@ -70,7 +75,10 @@ from gateway.topology import (
 
 __all__ = [
     "HANG_MS",
+    "START_ALLOWANCE_MS",
     "TICK_S",
+    "RestartPolicy",
+    "StartError",
     "Supervisor",
     "WorkerLink",
     "enter_worker",
@@ -83,13 +91,19 @@ log = logging.getLogger("gateway.workers")
 #: A worker whose heartbeat is older than this is hung: killed, then reclaimed (the
 #: environment variable `GATEWAY_WORKER_HANG_MS` overrides it, e.g. for tests).
 HANG_MS = int(os.environ.get("GATEWAY_WORKER_HANG_MS", "10000"))
+#: A worker that has not sent its first heartbeat (it is starting: imports, the config, its
+#: pools, listening) is hung only this long after its start: a slow start on a loaded host is
+#: not a hang (killing it would only start another slow start).
+START_ALLOWANCE_MS = 60_000
+#: How often the supervisor looks for hung workers.
+HANG_CHECK_MS = 500
 #: Each worker's tick: heartbeat, and the net under cross-worker wake-ups.
 TICK_S = 0.010
 #: SPEC §12 restart policy: a worker that dies sooner than this after its start died "within
 #: seconds of starting"; its slot's next replacement waits (doubling from `BACKOFF_MS`, at most
 #: `BACKOFF_MAX_MS`). The environment variables `GATEWAY_WORKER_BACKOFF_MS` and
 #: `GATEWAY_WORKER_BACKOFF_MAX_MS` override the two (tests run the policy in seconds).
-QUICK_DEATH_S = 10.0
+QUICK_DEATH_MS = 10_000
 BACKOFF_MS = int(os.environ.get("GATEWAY_WORKER_BACKOFF_MS", "1000"))
 BACKOFF_MAX_MS = int(os.environ.get("GATEWAY_WORKER_BACKOFF_MAX_MS", "30000"))
 
@@ -176,18 +190,121 @@ class StartError:
 
 
 @dataclass
+class _Life:
+    """What the policy knows of one slot's latest worker."""
+
+    started_ms: int = 0
+    running: bool = False
+    #: Deaths in a row, each within `QUICK_DEATH_MS` of its start (the back-off's exponent).
+    quick_deaths: int = 0
+    #: The start-up error its latest worker reported (None: it started, or died otherwise).
+    start_error: StartError | None = None
+    #: A replacement waiting out its back-off.
+    respawn: Timer | None = None
+
+
+class RestartPolicy:
+    """SPEC §12's restart policy over `slots` worker slots, apart from the processes: told of
+    each start (`started`) and death (`died`), it decides when the slot's replacement starts —
+    at once, then with doubling back-off while replacements keep dying within seconds of
+    starting — and has `respawn(slot)` called then, on `clock`; it says when a worker is hung
+    (`hung`) and when the supervisor stops (only when every slot's worker reports the same
+    start-up error). `restarts` counts the replacements (`gateway_worker_restarts_total`)."""
+
+    def __init__(
+        self,
+        slots: int,
+        clock: Clock,
+        respawn: Callable[[int], None],
+        *,
+        backoff_ms: int = BACKOFF_MS,
+        backoff_max_ms: int = BACKOFF_MAX_MS,
+        hang_ms: int = HANG_MS,
+        start_allowance_ms: int = START_ALLOWANCE_MS,
+        quick_death_ms: int = QUICK_DEATH_MS,
+    ) -> None:
+        self.clock = clock
+        self._respawn = respawn
+        self.backoff_ms = backoff_ms
+        self.backoff_max_ms = backoff_max_ms
+        self.hang_ms = hang_ms
+        self.start_allowance_ms = start_allowance_ms
+        self.quick_death_ms = quick_death_ms
+        self._lives = [_Life() for _ in range(slots)]
+        #: Replacements started (SPEC §12 `gateway_worker_restarts_total`).
+        self.restarts = 0
+        self.stopped = False
+
+    def started(self, slot: int) -> None:
+        """The slot's worker (first or a replacement) was just started."""
+        life = self._lives[slot]
+        life.started_ms = self.clock.now_ms()
+        life.running = True
+
+    def died(self, slot: int, *, listened: bool, report: StartError | None) -> int | StartError:
+        """The slot's worker is gone (`listened`: it had sent a heartbeat; `report`: the
+        start-up error it left). Returns the ms until its replacement starts (scheduled), or
+        the start-up error every slot now reports alike: then nothing is scheduled and the
+        supervisor stops with it."""
+        life = self._lives[slot]
+        life.running = False
+        life.start_error = None if listened else report
+        lived = self.clock.now_ms() - life.started_ms
+        # SPEC §12: "a dead worker is replaced at once, then with doubling back-off (up to
+        # 30 s) while replacements keep dying within seconds of starting".
+        life.quick_deaths = life.quick_deaths + 1 if lived < self.quick_death_ms else 1
+        pause_ms = 0
+        if life.quick_deaths > 1:
+            pause_ms = min(self.backoff_max_ms, self.backoff_ms << min(life.quick_deaths - 2, 30))
+        # SPEC §12: "the supervisor never exits because workers were killed ... only on
+        # SIGTERM/SIGINT or a start-up error every worker reports alike (a bad config)".
+        # (A slot whose worker runs — started since, or starting — does not report it.)
+        first = self._lives[0].start_error
+        if first is not None and all(not x.running and x.start_error == first for x in self._lives):
+            return first
+        if not self.stopped:
+            life.respawn = self.clock.call_later(pause_ms, lambda: self._due(slot))
+        return pause_ms
+
+    def lived_ms(self, slot: int) -> int:
+        """How long the slot's latest worker has been (or was) running."""
+        return self.clock.now_ms() - self._lives[slot].started_ms
+
+    def _due(self, slot: int) -> None:
+        life = self._lives[slot]
+        life.respawn = None
+        if self.stopped or life.running:
+            return
+        self.restarts += 1
+        self._respawn(slot)
+
+    def hung(self, slot: int, beat: int) -> bool:
+        """Whether the slot's running worker is hung, given its heartbeat word (0: none yet,
+        else the worker's monotonic ms + 1): its last heartbeat is older than `hang_ms`; or,
+        before its first one, its start is older than `start_allowance_ms`."""
+        life = self._lives[slot]
+        if not life.running:
+            return False
+        now = self.clock.now_ms()
+        if beat == 0:  # still starting
+            return now - life.started_ms > self.start_allowance_ms
+        return now - max(beat - 1, life.started_ms) > self.hang_ms
+
+    def stop(self) -> None:
+        """No replacement starts any more (the ones waiting out a back-off are dropped)."""
+        self.stopped = True
+        for life in self._lives:
+            if life.respawn is not None:
+                life.respawn.cancel()
+                life.respawn = None
+
+
+@dataclass
 class _Slot:
     index: int
     incarnation: int = 0
     proc: subprocess.Popen[bytes] | None = None
     pidfd: int = -1
-    started: float = 0.0
-    #: Deaths in a row, each within `QUICK_DEATH_S` of its start (the back-off's exponent).
-    quick_deaths: int = 0
-    #: The start-up error its latest worker reported (None: it started, or died otherwise).
-    start_error: StartError | None = None
-    #: A replacement is waiting out its back-off.
-    respawn: asyncio.TimerHandle | None = None
 
 
 class Supervisor:
@@ -203,14 +320,19 @@ class Supervisor:
         *,
         backoff_ms: int = BACKOFF_MS,
         backoff_max_ms: int = BACKOFF_MAX_MS,
+        clock: Clock = LOOP_CLOCK,
     ) -> None:
         self.n = workers
         self.argv = argv
         self.host = host
         self.port = port
-        self.backoff_ms = backoff_ms
-        self.backoff_max_ms = backoff_max_ms
         self._slots = [_Slot(k) for k in range(workers)]
+        # SPEC §12 restart policy, on the clock the supervisor's start hands down.
+        self.clock = clock
+        self.policy = RestartPolicy(
+            workers, clock, self._respawn, backoff_ms=backoff_ms, backoff_max_ms=backoff_max_ms
+        )
+        self._hang_check: Timer | None = None
         self._stopping = False
         self._shm = os.memfd_create("gateway-workers", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self._shm, _core.REGION_BYTES)
@@ -226,8 +348,6 @@ class Supervisor:
         self.port = self._sock.getsockname()[1]
         self._done = asyncio.Event()
         self.reclaimed = 0
-        #: Replacements started (SPEC §12 `gateway_worker_restarts_total`).
-        self.restarts = 0
         #: Why the workers could not start (then the supervisor's exit status is its status).
         self.failure: StartError | None = None
         self._dir = tempfile.mkdtemp(prefix="gateway-workers-")
@@ -267,7 +387,7 @@ class Supervisor:
         # skips the drain delay).
         proc = subprocess.Popen(argv, env=env, pass_fds=(self._shm, *self._wake), process_group=0)
         slot.proc = proc
-        slot.started = time.monotonic()
+        self.policy.started(slot.index)
         slot.pidfd = os.pidfd_open(proc.pid)
         self.region.worker_start(slot.index, slot.incarnation, proc.pid)
         loop = asyncio.get_running_loop()
@@ -299,38 +419,28 @@ class Supervisor:
             if all(s.proc is None for s in self._slots):
                 self._done.set()
             return
-        slot.start_error = None if listened else report
-        lived = time.monotonic() - slot.started
-        # SPEC §12: replaced at once, then with doubling back-off (up to 30 s) while the
-        # replacements keep dying within seconds of starting.
-        slot.quick_deaths = slot.quick_deaths + 1 if lived < QUICK_DEATH_S else 1
-        pause_ms = 0
-        if slot.quick_deaths > 1:
-            pause_ms = min(self.backoff_max_ms, self.backoff_ms << min(slot.quick_deaths - 2, 30))
-        # SPEC §12: the supervisor never exits because workers were killed, only on
-        # SIGTERM/SIGINT or a start-up error every worker reports alike (a bad config).
-        first = self._slots[0].start_error
-        alike = first is not None and all(s.start_error == first for s in self._slots)
+        lived_ms = self.policy.lived_ms(slot.index)
+        # SPEC §12: replaced at once, then with doubling back-off; never stopped because
+        # workers were killed, only by a start-up error every worker reports alike.
+        verdict = self.policy.died(slot.index, listened=listened, report=report)
+        alike = isinstance(verdict, StartError)
         fields: dict[str, object] = {
             "worker": slot.index,
             "code": code,
-            "lived_s": round(lived, 3),
+            "lived_s": round(lived_ms / 1000, 3),
             "reclaimed": units,
-            "restart_in_ms": None if alike else pause_ms,
+            "restart_in_ms": None if alike else verdict,
         }
         if report is not None:
             fields["reason"] = report.reason
         log.warning("worker died", extra={"fields": fields})
-        if alike:
-            assert first is not None
+        if isinstance(verdict, StartError):
             log.error(
                 "every worker reports the same start-up error: stopping",
-                extra={"fields": {"status": first.status}},
+                extra={"fields": {"status": verdict.status}},
             )
-            self.failure = first
+            self.failure = verdict
             self.stop()
-            return
-        slot.respawn = loop.call_later(pause_ms / 1000, self._respawn, slot)
 
     def _take_report(self, slot: _Slot) -> StartError | None:
         """The start-up error the slot's worker left before exiting (read once)."""
@@ -343,10 +453,15 @@ class Supervisor:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def _respawn(self, slot: _Slot) -> None:
-        slot.respawn = None
+    @property
+    def restarts(self) -> int:
+        """Replacements started (SPEC §12 `gateway_worker_restarts_total`)."""
+        return self.policy.restarts
+
+    def _respawn(self, index: int) -> None:
+        """The policy's call: the slot's replacement is due (already counted)."""
+        slot = self._slots[index]
         if not self._stopping and slot.proc is None:
-            self.restarts += 1
             self._count_restarts()
             self._spawn(slot)
 
@@ -364,20 +479,26 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     slot.proc.send_signal(sig)
 
-    async def _watch_hangs(self) -> None:
-        while not self._stopping:
-            await asyncio.sleep(0.5)
-            now = time.monotonic_ns() // 1_000_000
-            for slot in self._slots:
-                if slot.proc is None:
-                    continue
-                _, _, _, beat = self.region.worker(slot.index)
-                started_ms = int(slot.started * 1000)
-                last = beat - 1 if beat else started_ms
-                if now - max(last, started_ms) > HANG_MS:
-                    log.error("worker hung: killed", extra={"fields": {"worker": slot.index}})
-                    with contextlib.suppress(ProcessLookupError):
-                        slot.proc.kill()
+    def _check_hangs(self) -> None:
+        """Every `HANG_CHECK_MS`: a worker the policy finds hung (its heartbeat stopped, or
+        its start took longer than the start allowance) is killed, then reclaimed and
+        replaced like any dead one."""
+        self._hang_check = None
+        if self._stopping:
+            return
+        for slot in self._slots:
+            if slot.proc is None:
+                continue
+            beat = self.region.worker(slot.index)[3]
+            if self.policy.hung(slot.index, beat):
+                starting = beat == 0
+                log.error(
+                    "worker hung: killed",
+                    extra={"fields": {"worker": slot.index, "starting": starting}},
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    slot.proc.kill()
+        self._hang_check = self.clock.call_later(HANG_CHECK_MS, self._check_hangs)
 
     async def _ready(self) -> bool:
         """Every worker listening (its first heartbeat is written after it listens); False
@@ -394,10 +515,10 @@ class Supervisor:
             return
         self._stopping = True
         log.info("stopping workers")
-        for slot in self._slots:
-            if slot.respawn is not None:
-                slot.respawn.cancel()
-                slot.respawn = None
+        self.policy.stop()
+        if self._hang_check is not None:
+            self._hang_check.cancel()
+            self._hang_check = None
         self._signal_all(signal.SIGTERM)
         if all(s.proc is None for s in self._slots):
             self._done.set()
@@ -420,15 +541,15 @@ class Supervisor:
             loop.add_signal_handler(sig, self._signalled)
         loop.add_signal_handler(signal.SIGHUP, self._signal_all, signal.SIGHUP)
         loop.add_signal_handler(signal.SIGUSR1, self._signal_all, signal.SIGHUP)
-        hangs = loop.create_task(self._watch_hangs())
+        self._hang_check = self.clock.call_later(HANG_CHECK_MS, self._check_hangs)
         try:
             if await self._ready() and on_listening is not None and not self._stopping:
                 on_listening(self)
             await self._done.wait()
         finally:
-            hangs.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await hangs
+            if self._hang_check is not None:
+                self._hang_check.cancel()
+                self._hang_check = None
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
                 loop.remove_signal_handler(sig)
             self._sock.close()

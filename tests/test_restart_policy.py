@@ -1,0 +1,171 @@
+"""SPEC §12's restart policy in one process, on a manual clock: the supervisor's
+`RestartPolicy` told of fake starts and deaths, its replacements started by the clock.
+
+"a dead worker is replaced at once, then with doubling back-off (up to 30 s) while
+replacements keep dying within seconds of starting; the supervisor never exits because
+workers were killed (an OOM-killer storm must not stop the gateway), only on SIGTERM/SIGINT
+or a start-up error every worker reports alike (a bad config).
+`gateway_worker_restarts_total`."
+
+The real processes (a kill -9 replaced, the count in every worker's /metrics, a config every
+worker refuses) are in test_workers.py."""
+
+from __future__ import annotations
+
+from gateway.clock import ManualClock
+from gateway.workers import (
+    BACKOFF_MAX_MS,
+    HANG_MS,
+    QUICK_DEATH_MS,
+    START_ALLOWANCE_MS,
+    RestartPolicy,
+    StartError,
+)
+
+BAD_CONFIG = StartError(2, "config error: pools.p.instances[0].max_concurrency: must be >= 1")
+
+
+class Supervised:
+    """A policy over `n` slots whose replacements start at once when it calls them (what the
+    supervisor's spawn does, without a process); `starts` logs (slot, clock ms)."""
+
+    def __init__(self, n: int = 2, **kw: int) -> None:
+        self.clock = ManualClock()
+        self.starts: list[tuple[int, int]] = []
+        self.policy = RestartPolicy(n, self.clock, self.spawn, **kw)
+        for slot in range(n):
+            self.spawn(slot)
+
+    def spawn(self, slot: int) -> None:
+        self.starts.append((slot, self.clock.now_ms()))
+        self.policy.started(slot)
+
+    def kill(self, slot: int, report: StartError | None = None) -> int | StartError:
+        """The slot's worker dies (killed from outside unless `report` says it could not
+        start: then it never listened)."""
+        return self.policy.died(slot, listened=report is None, report=report)
+
+    def replaced_after(self, slot: int, died_at: int) -> int:
+        """Advances the clock to the slot's replacement; how long after `died_at` it started."""
+        before = len(self.starts)
+        due = self.clock.pending
+        assert due, "no replacement scheduled"
+        self.clock.advance(due[0] - self.clock.now_ms())
+        assert self.starts[before:] == [(slot, self.clock.now_ms())]
+        return self.clock.now_ms() - died_at
+
+
+def test_replaced_at_once_then_doubling_back_off_up_to_30_s() -> None:
+    s = Supervised()
+    delays = []
+    for _ in range(9):
+        s.clock.advance(200)  # each replacement dies within a second of its start
+        died_at = s.clock.now_ms()
+        s.kill(1)
+        delays.append(s.replaced_after(1, died_at))
+    assert BACKOFF_MAX_MS == 30_000
+    assert delays == [0, 1000, 2000, 4000, 8000, 16000, 30000, 30000, 30000]
+    assert s.policy.restarts == 9  # gateway_worker_restarts_total
+    assert not s.policy.stopped
+
+
+def test_a_worker_that_lived_a_while_is_replaced_at_once_again() -> None:
+    s = Supervised()
+    for _ in range(4):  # the back-off has grown to 4 s
+        s.clock.advance(100)
+        died_at = s.clock.now_ms()
+        s.kill(0)
+        s.replaced_after(0, died_at)
+    s.clock.advance(QUICK_DEATH_MS)  # this one served long enough: not a start that fails
+    died_at = s.clock.now_ms()
+    assert s.kill(0) == 0
+    assert s.replaced_after(0, died_at) == 0
+    s.clock.advance(100)  # and its quick successor waits the first step again
+    died_at = s.clock.now_ms()
+    assert s.kill(0) == 1000
+    assert s.replaced_after(0, died_at) == 1000
+
+
+def test_an_oom_killer_storm_never_stops_the_supervisor() -> None:
+    """Every worker killed again and again, within a second of its start, 200 times over:
+    every slot keeps being replaced and nothing says stop."""
+    s = Supervised(n=4)
+    for _ in range(200):
+        s.clock.advance(500)
+        for slot in range(4):
+            assert isinstance(s.kill(slot), int)
+        s.clock.advance(BACKOFF_MAX_MS)  # every replacement is due by then
+        assert len(s.starts) == 4 + s.policy.restarts
+    assert not s.policy.stopped
+    assert s.policy.restarts == 800
+    assert s.clock.pending == []  # every slot has its worker back
+
+
+def test_a_start_up_error_every_worker_reports_alike_stops_it() -> None:
+    s = Supervised(n=3)
+    # One slot cannot start (the config broke on disk): retried with back-off, no stop.
+    for _ in range(3):
+        s.clock.advance(50)
+        died_at = s.clock.now_ms()
+        assert isinstance(s.kill(1, BAD_CONFIG), int)
+        s.replaced_after(1, died_at)
+    # Killed workers meanwhile are no start-up error.
+    assert isinstance(s.kill(0), int)
+    s.clock.advance(0)
+    # Another error is not "alike".
+    assert isinstance(s.kill(2, StartError(1, "cannot listen on 127.0.0.1:8080")), int)
+    s.clock.advance(BACKOFF_MAX_MS)
+    # A slot whose worker is starting again does not report the error yet.
+    assert isinstance(s.kill(0, BAD_CONFIG), int)
+    assert isinstance(s.kill(2, BAD_CONFIG), int)  # slot 1's replacement is still running
+    verdict = s.kill(1, BAD_CONFIG)
+    assert verdict == BAD_CONFIG  # now every slot reports it: the supervisor stops with it
+    s.policy.stop()
+    before = len(s.starts)
+    s.clock.advance(BACKOFF_MAX_MS * 2)
+    assert len(s.starts) == before  # and nothing is started after the stop
+
+
+def test_a_replacement_waiting_out_its_back_off_is_dropped_on_stop() -> None:
+    s = Supervised()
+    s.clock.advance(10)
+    s.kill(1)
+    s.replaced_after(1, s.clock.now_ms())
+    s.clock.advance(10)
+    assert s.kill(1) == 1000
+    s.policy.stop()  # SIGTERM meanwhile
+    assert s.clock.pending == []
+    s.clock.advance(5000)
+    assert s.starts[-1] == (1, s.clock.now_ms() - 5010)  # the replacement before the stop
+
+
+def test_a_starting_worker_has_its_allowance_a_started_one_does_not() -> None:
+    """Issue 20: on a loaded host a worker may take seconds to send its first heartbeat;
+    killed as hung after `HANG_MS` it would be killed over and over. Before its first
+    heartbeat it has the start allowance; after it, a heartbeat older than `HANG_MS` is hung."""
+    assert START_ALLOWANCE_MS > HANG_MS
+    s = Supervised()
+    s.clock.advance(HANG_MS + 1)
+    assert not s.policy.hung(0, 0)  # still starting, past HANG_MS: not hung
+    s.clock.advance(START_ALLOWANCE_MS - HANG_MS - 1)
+    assert not s.policy.hung(0, 0)  # exactly at the allowance
+    s.clock.advance(1)
+    assert s.policy.hung(0, 0)  # a start that never ends is a hang too
+    # Slot 1 sends its first heartbeat now (the heartbeat word: the worker's ms + 1), after
+    # a start longer than HANG_MS, then stops beating.
+    beat = s.clock.now_ms() + 1
+    assert not s.policy.hung(1, beat)
+    s.clock.advance(HANG_MS)
+    assert not s.policy.hung(1, beat)
+    s.clock.advance(1)
+    assert s.policy.hung(1, beat)  # stopped heartbeating after it started: hung as before
+    assert not s.policy.hung(1, s.clock.now_ms() + 1)  # a fresh heartbeat: not hung
+
+
+def test_a_dead_slot_is_never_hung() -> None:
+    s = Supervised()
+    s.kill(0)
+    s.policy.stop()
+    s.clock.advance(START_ALLOWANCE_MS * 2)
+    assert not s.policy.hung(0, 0)
+    assert s.policy.hung(1, 0)
