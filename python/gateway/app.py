@@ -36,6 +36,7 @@ from gateway.deadline import Watchdog
 from gateway.errors import (
     DEFAULT_RETRY_AFTER_MS,
     Draining,
+    GatewayError,
     InternalError,
     InvalidRequest,
     MethodNotAllowed,
@@ -375,71 +376,28 @@ class Gateway:
 
         return handler
 
-    def _request_id(self, request: web.BaseRequest, ticket: int) -> str:
-        given = request.headers.get("X-Request-Id")
-        if given and len(given) <= 128 and _SAFE_ID.issuperset(given):
-            return given
-        return f"{self._id_prefix}{ticket}"
-
-    async def proxy(self, request: web.BaseRequest, endpoint: Endpoint) -> web.StreamResponse:
-        """One proxied request, answered whatever happens (an error of ours included), then
-        counted and logged once."""
-        ticket = self.runtime.next_ticket()
+    def _task(self) -> asyncio.Task[Any]:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
         task = asyncio.current_task(loop)
         assert task is not None
-        ex = Exchange(self._request_id(request, ticket), time.monotonic(), Watchdog(loop, task))
-        if self.tracing is not None:
-            ex.span = self.tracing.request(request.headers, request.path)
-            ex.trace_id = ex.span.trace_id
+        return task
+
+    async def proxy(self, request: web.BaseRequest, endpoint: Endpoint) -> web.StreamResponse:
+        """One proxied HTTP request (`_exchange`), answered whatever happens: an error is
+        answered OpenAI-shaped. While it runs the drain waits for it (SPEC §7)."""
+        task = self._task()
         self._active.add(task)
         try:
-            resp = await self._serve(request, ex, endpoint, ticket)
-        except (RequestError, QueueFull, NoHealthyInstance) as err:
-            ex.status, ex.error, _ = answer_of(err)
-            self.metrics.rejected(ex.error)
-            resp = error_response(err, ex.headers())
-        except asyncio.CancelledError:
-            if not self._hard_stopped:
-                ex.status, ex.error = 499, "client_closed"
-                self._observe(ex)
-                self._log(ex)
-                raise
-            # Cancelled by the drain deadline, not by the client: answer it.
-            task.uncancel()
-            stop = _draining("The gateway shut down before the request finished.")
-            ex.status, ex.error, _ = answer_of(stop)
-            resp = error_response(stop, ex.headers())
-        except Exception:
-            # A bug, not the client's or the upstream's doing: answered, counted and logged
-            # like every other request (the slot was given back by the attempt's `finally`).
-            log.exception("unhandled error", extra={"fields": {"id": ex.request_id}})
-            ex.status, ex.error = 500, "internal_error"
-            resp = error_response(InternalError("Internal gateway error."), ex.headers())
+            ex, answer = await self._exchange(endpoint, request, _given_id(request), task)
         finally:
             self._active.discard(task)
             if not self._active and self._idle is not None:
                 self._idle.set()
-        ex.status = ex.status or resp.status
-        self._observe(ex)
-        self._log(ex)
-        return resp
-
-    async def _serve(
-        self, request: web.BaseRequest, ex: Exchange, endpoint: Endpoint, ticket: int
-    ) -> web.StreamResponse:
-        """SPEC §2 in order: ingress (authenticate, size-limit, validate), classify and route,
-        then admit, queue, balance and forward."""
-        if self.refusing:
-            raise _draining("The gateway is shutting down.")
-        tenant = self.keys.authenticate(request.headers)
-        ex.key_name = tenant.name if tenant.index else None  # index 0: no key (auth off)
-        raw = await self._read_body(request, ex.watchdog)
-        data = parse_request(raw, endpoint)
-        del raw  # SPEC §16: a queued request holds one copy of its bytes, not three
-        return await self._route(request, request.headers, ex, endpoint, ticket, tenant, data)
+        if isinstance(answer, web.StreamResponse):
+            return answer
+        return error_response(answer, ex.headers())
 
     async def call(
         self,
@@ -452,49 +410,114 @@ class Gateway:
         seen: list[Exchange] | None = None,
         slo_ttft_ms: int | None = None,
     ) -> Outcome:
-        """Serves one request from inside the process (a Batch API line, SPEC §14): the same
-        validation, routing, scheduling, retries, health, key limits and accounting as an HTTP
-        request (`_route`, the path `proxy` takes), at `priority` (low: the key's default
+        """Serves one request from inside the process (a Batch API line, SPEC §14) through
+        the same exchange as an HTTP request (`_exchange`: validation, routing, scheduling,
+        retries, health, key limits and accounting), at `priority` (low: the key's default
         priority does not raise it), never streamed. Returns what happened as a value: the
         upstream's answer, or the gateway's refusal with its domain error (`Executor`).
         `slo_ttft_ms`: SPEC §17, a batch line's objective (the time left in its batch's
-        `completion_window`)."""
+        `completion_window`). `seen` gets the exchange as it starts (SPEC §14 prompt cancel:
+        the runner sees whether it was sent)."""
+        line = _Line(raw, tenant, priority, slo_ttft_ms, seen)
+        ex, answer = await self._exchange(endpoint, line, request_id, self._task())
+        if isinstance(answer, GatewayError):
+            return Refused.of(answer)
+        body = answer.body if isinstance(answer, web.Response) else b""
+        return Answered(answer.status, body if isinstance(body, bytes) else b"", ex.usage)
+
+    async def _exchange(
+        self,
+        endpoint: Endpoint,
+        incoming: web.BaseRequest | _Line,
+        request_id: str | None,
+        task: asyncio.Task[Any],
+    ) -> tuple[Exchange, web.StreamResponse | GatewayError]:
+        """One exchange's life, whichever way it came in (an HTTP request, or a batch line
+        from inside the process): its ticket, its `Exchange` (`request_id`, or one made from
+        the ticket) and tracing span, SPEC §2's path (`_serve` or `_serve_line`, then
+        `_route`), what an error is answered (a refusal, the drain's 503, a bug's 500), then
+        counted and logged once. Returns the exchange and its answer: the response, or the
+        error the gateway answers (`ex.status` and `ex.error` say which already). A client
+        that left (cancelled) is counted 499 and the cancellation goes on; an in-process line
+        withdrawn by its runner is no request answered: it is neither counted nor logged."""
         ticket = self.runtime.next_ticket()
-        loop = self._loop
-        if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
-        task = asyncio.current_task(loop)
-        assert task is not None
-        ex = Exchange(request_id, time.monotonic(), Watchdog(loop, task), source="batch")
-        if seen is not None:  # SPEC §14 prompt cancel: the runner sees whether it was sent
-            seen.append(ex)
+        line = incoming if isinstance(incoming, _Line) else None
+        ex = Exchange(
+            request_id or f"{self._id_prefix}{ticket}",
+            time.monotonic(),
+            Watchdog(task.get_loop(), task),
+            source="http" if line is None else "batch",
+        )
+        if line is not None:
+            # A batch line's key is known before anything (the batch's); an HTTP request's
+            # once it authenticated.
+            ex.key_name = line.tenant.name if line.tenant.index else None
+            if line.seen is not None:
+                line.seen.append(ex)
         if self.tracing is not None:  # a batch line is traced like the request it stands for
-            ex.span = self.tracing.request({}, "/v1" + endpoint.path)
+            if isinstance(incoming, web.BaseRequest):
+                ex.span = self.tracing.request(incoming.headers, incoming.path)
+            else:
+                ex.span = self.tracing.request({}, "/v1" + endpoint.path)
             ex.trace_id = ex.span.trace_id
-        ex.key_name = tenant.name if tenant.index else None
-        outcome: Outcome
+        answer: web.StreamResponse | GatewayError
         try:
             if self.refusing:
                 raise _draining("The gateway is shutting down.")
-            data = parse_request(raw, endpoint)
-            if data.get("stream"):
-                raise InvalidRequest("Batch requests cannot stream.", param="stream")
-            headers = {"X-Priority": priority}
-            resp = await self._route(None, headers, ex, endpoint, ticket, tenant, data, slo_ttft_ms)
-            body = resp.body if isinstance(resp, web.Response) else b""
-            outcome = Answered(resp.status, body if isinstance(body, bytes) else b"", ex.usage)
+            if isinstance(incoming, web.BaseRequest):
+                answer = await self._serve(incoming, ex, endpoint, ticket)
+            else:
+                answer = await self._serve_line(incoming, ex, endpoint, ticket)
         except (RequestError, QueueFull, NoHealthyInstance) as err:
-            outcome = Refused.of(err)
-            ex.status, ex.error = outcome.status, outcome.code
+            ex.status, ex.error, _ = answer_of(err)
             self.metrics.rejected(ex.error)
+            answer = err
+        except asyncio.CancelledError:
+            if not (self._hard_stopped and task in self._active):
+                if line is None:
+                    ex.status, ex.error = 499, "client_closed"
+                    self._observe(ex)
+                    self._log(ex)
+                raise
+            # Cancelled by the drain deadline, not by the client: answer it.
+            task.uncancel()
+            answer = _draining("The gateway shut down before the request finished.")
+            ex.status, ex.error, _ = answer_of(answer)
         except Exception:
+            # A bug, not the client's or the upstream's doing: answered, counted and logged
+            # like every other request (the slot was given back by the attempt's `finally`).
             log.exception("unhandled error", extra={"fields": {"id": ex.request_id}})
-            outcome = Refused.of(InternalError("Internal gateway error."))
-            ex.status, ex.error = outcome.status, outcome.code
-        ex.status = ex.status or outcome.status
+            answer = InternalError("Internal gateway error.")
+            ex.status, ex.error = 500, "internal_error"
+        if isinstance(answer, web.StreamResponse):
+            ex.status = ex.status or answer.status
         self._observe(ex)
         self._log(ex)
-        return outcome
+        return ex, answer
+
+    async def _serve(
+        self, request: web.BaseRequest, ex: Exchange, endpoint: Endpoint, ticket: int
+    ) -> web.StreamResponse:
+        """An HTTP request comes in — SPEC §2 in order: ingress (authenticate, size-limit,
+        validate), then classify and route, admit, queue, balance and forward (`_route`)."""
+        tenant = self.keys.authenticate(request.headers)
+        ex.key_name = tenant.name if tenant.index else None  # index 0: no key (auth off)
+        raw = await self._read_body(request, ex.watchdog)
+        data = parse_request(raw, endpoint)
+        del raw  # SPEC §16: a queued request holds one copy of its bytes, not three
+        return await self._route(request, request.headers, ex, endpoint, ticket, tenant, data)
+
+    async def _serve_line(
+        self, line: _Line, ex: Exchange, endpoint: Endpoint, ticket: int
+    ) -> web.StreamResponse:
+        """A batch line comes in (SPEC §14): its key is the batch's, its priority the line's,
+        and it is never streamed; then the same `_route` as an HTTP request."""
+        tenant = line.tenant
+        data = parse_request(line.raw, endpoint)
+        if data.get("stream"):
+            raise InvalidRequest("Batch requests cannot stream.", param="stream")
+        headers = {"X-Priority": line.priority}
+        return await self._route(None, headers, ex, endpoint, ticket, tenant, data, line.ttft_ms)
 
     async def _route(
         self,
@@ -909,6 +932,26 @@ class Gateway:
             # SPEC §17: met, missed or shed (None: no objective).
             (ex.slo_result or "missed") if ex.has_objective else None,
         )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Line:
+    """A request from inside the process (a Batch API line): what comes in instead of an
+    HTTP request."""
+
+    raw: bytes
+    tenant: Tenant
+    priority: str
+    ttft_ms: int | None
+    seen: list[Exchange] | None
+
+
+def _given_id(request: web.BaseRequest) -> str | None:
+    """The client's `X-Request-Id` if it is one we may echo (else the gateway makes one)."""
+    given = request.headers.get("X-Request-Id")
+    if given and len(given) <= 128 and _SAFE_ID.issuperset(given):
+        return given
+    return None
 
 
 def _overloaded() -> Overloaded:
