@@ -76,6 +76,33 @@ def test_predicted_learns_and_prefers_the_faster_instance() -> None:
     assert placed.count(1) >= 8, placed
 
 
+def test_non_streamed_answers_alone_calibrate_predicted_and_attainable() -> None:
+    """Issue 22: a non-streamed answer (no `first_token`) teaches TTFT its whole time — what
+    its client waits for its first token — so with no stream at all the models calibrate,
+    `predicted` sends sequential requests to the 10x faster instance and a tiny objective is
+    unattainable with a Retry-After."""
+    pool = Pool(PoolConfig(balancer=Balancer.PREDICTED), 1)
+    pool.add_instance(8)
+    pool.add_instance(8)
+    now, placed = 1, []
+    for ticket in range(200):
+        index = pool.submit(ticket, HIGH, now, prompt_tokens=300)
+        assert index is not None
+        placed.append(index)
+        now += [2000, 200][index]  # the whole answer, 21 tokens
+        pool.release(ticket, Outcome.SUCCESS, now, output_tokens=21)
+    slow, fast = pool.instance(0, now), pool.instance(1, now)
+    assert fast.calibrated and fast.samples >= 20
+    assert fast.predicted_ttft_ms == pytest.approx(200, rel=0.25)
+    assert slow.predicted_ttft_ms == pytest.approx(2000, rel=0.25)
+    assert fast.tpot_samples == 0  # a non-streamed answer shows no time per token
+    # after the warm-up, all but an exploration now and then go to the fast one
+    assert placed[100:].count(1) >= 90, placed[100:]
+    assert pool.attainable(HIGH, now + 5_000, 300, now) == 0
+    assert pool.attainable(HIGH, now + 20, 300, now) > 0
+    assert (pool.in_flight, pool.waiting, pool.outstanding) == (0, 0, 0)
+
+
 def test_attainable_fails_open_then_answers_a_retry_after() -> None:
     pool = Pool(PoolConfig(balancer=Balancer.PREDICTED), 1)
     pool.add_instance(4)

@@ -906,10 +906,8 @@ impl Pool {
             .observe_ttft(&s.features(), now.saturating_sub(s.at) as f64, now);
     }
 
-    /// `release`, with the attempt's output tokens (0: unknown): on success the instance's TPOT
-    /// model learns from it — a stream's (end − first token) / (tokens − 1); a non-streamed
-    /// answer has no first token, so its TPOT is (duration − predicted TTFT) / (tokens − 1) and
-    /// its TTFT is not learned (the design's "TTFB is not TTFT" pitfall).
+    /// `release`, with the attempt's output tokens (0: unknown): on success the instance's
+    /// model learns from it (see `learn`: a stream teaches TPOT, a non-streamed answer TTFT).
     pub fn release_with(
         &mut self,
         ticket: Ticket,
@@ -972,6 +970,28 @@ impl Pool {
     }
 
     /// What an ended attempt teaches the model of its instance (and its adaptive limit).
+    ///
+    /// - **A stream** taught its TTFT at its first token (`first_token`); at its end it
+    ///   teaches TPOT: (end − first token) / (n − 1).
+    /// - **A non-streamed answer** (issue 22) shows its client the first token with the whole
+    ///   answer, so for that client the time to first token *is* the total time. It teaches
+    ///   TTFT with y = total − (n − 1) · TPOT, TPOT the model's mean at the grant's features
+    ///   once streams warmed it (then y is the prefill and queueing part, comparable with a
+    ///   stream's TTFT), else 0 (with non-streamed traffic only, the whole time is learnt as
+    ///   TTFT: what those clients wait for, and what `predicted`, `attainable` and shedding
+    ///   then go by). It teaches TPOT nothing: its TPOT was (total − predicted TTFT) / (n − 1),
+    ///   a TTFT model trained on streams subtracted from it — circular once TTFT learns from
+    ///   non-streamed answers too. (A joint regression total = θ·x + n·φ·z would learn both
+    ///   from one answer, but with n, the answer's length, a factor of every TPOT feature the
+    ///   two are told apart only by the spread of n, which a chat workload does not promise.)
+    /// - **The adaptive controller** takes a congestion sample from every success: a stream's
+    ///   TPOT; a non-streamed answer's total / n — the time per token of the whole answer,
+    ///   prefill share included. Under continuous batching both the prefill wait and every
+    ///   decode step lengthen with the running sequences, so it rises at the knee as TPOT
+    ///   does, and to first order it does not depend on the answer's length (a long answer is
+    ///   mostly TPOT, a short one's prefill share is spread over few tokens but its base is
+    ///   measured the same way); the request's whole latency would (a long answer would look
+    ///   like congestion). With non-streamed-only traffic the controller still finds the knee.
     fn learn(&mut self, k: usize, s: &Sample, outcome: Outcome, output_tokens: u32, now: Millis) {
         let model = &mut self.models[k];
         // The instance's load now (this attempt still counted), for the TPOT sample below.
@@ -986,31 +1006,36 @@ impl Pool {
             return;
         }
         self.typical_output += 0.02 * (f64::from(output_tokens) - self.typical_output);
-        if output_tokens < 2 {
-            return;
-        }
         let at_grant = s.features();
-        // TPOT is paid over the whole decode, under the load of all of it: the sample's load is
-        // the mean of the load at the grant and at the end (at the grant alone under-covered
-        // on the engine mock while load rose: p90 coverage 0.69-0.85).
-        let f = Features {
-            running: (at_grant.running + running_now) / 2.0,
-            context: (at_grant.context + context_now) / 2.0,
-            ..at_grant
-        };
-        let per_token = if s.first != 0 {
-            now.saturating_sub(s.first) as f64
-        } else {
-            let ttft = if model.latency.ttft.samples() > 0 {
-                model.latency.mean(&at_grant).0
+        let total = now.saturating_sub(s.at) as f64;
+        let congestion = if s.first == 0 {
+            // Non-streamed: TTFT = total − (n − 1) · TPOT (see above).
+            let per_token = if model.latency.tpot.warmed() {
+                model.latency.mean(&at_grant).1
             } else {
                 0.0
             };
-            (now.saturating_sub(s.at) as f64 - ttft).max(0.0)
-        } / f64::from(output_tokens - 1);
-        model.latency.observe_tpot(&f, per_token, now);
+            let ttft = (total - f64::from(output_tokens - 1) * per_token).max(0.0);
+            model.latency.observe_ttft(&at_grant, ttft, now);
+            total / f64::from(output_tokens)
+        } else {
+            if output_tokens < 2 {
+                return;
+            }
+            // TPOT is paid over the whole decode, under the load of all of it: the sample's
+            // load is the mean of the load at the grant and at the end (at the grant alone
+            // under-covered on the engine mock while load rose: p90 coverage 0.69-0.85).
+            let f = Features {
+                running: (at_grant.running + running_now) / 2.0,
+                context: (at_grant.context + context_now) / 2.0,
+                ..at_grant
+            };
+            let per_token = now.saturating_sub(s.first) as f64 / f64::from(output_tokens - 1);
+            model.latency.observe_tpot(&f, per_token, now);
+            per_token
+        };
         if let Some(g) = model.adaptive.as_mut() {
-            g.on_sample(per_token);
+            g.on_sample(congestion);
         }
         self.adapt(k, now);
     }

@@ -309,13 +309,28 @@ impl Backend {
 /// Sequential requests (one at a time) through a `predicted` pool: (grants per instance after
 /// warm-up).
 fn sequential(speed: Vec<f64>, n: usize) -> Vec<u32> {
-    let backend = Backend { speed };
+    sequential_in(&mut predicted_pool(speed.len()), speed, n, (true, 1)).0
+}
+
+fn predicted_pool(instances: usize) -> Pool {
     let mut p = Pool::new(cfg(BalancerKind::Predicted), 7).unwrap();
-    for _ in &backend.speed {
+    for _ in 0..instances {
         p.add_instance(8).unwrap();
     }
+    p
+}
+
+/// `sequential` on `p`, streamed (a first token, then 49 more) or not (one answer of 50
+/// tokens after the same total time): (grants per instance in the second half, the clock).
+fn sequential_in(
+    p: &mut Pool,
+    speed: Vec<f64>,
+    n: usize,
+    (streamed, start): (bool, Millis),
+) -> (Vec<u32>, Millis) {
+    let backend = Backend { speed };
     let mut counts = vec![0; backend.speed.len()];
-    let mut now: Millis = 1;
+    let mut now: Millis = start;
     let mut rng = SplitMix64::new(5);
     for t in 0..n as Ticket {
         let prompt = 200 + rng.below(800) as u32;
@@ -327,11 +342,13 @@ fn sequential(speed: Vec<f64>, n: usize) -> Vec<u32> {
             counts[i] += 1;
         }
         now += backend.ttft(i, prompt, 1) as Millis;
-        p.first_token(t, now);
+        if streamed {
+            p.first_token(t, now);
+        }
         now += (backend.tpot(i, 1) * 49.0) as Millis;
         p.release_with(t, Outcome::Success, 0, 50, now).unwrap();
     }
-    counts
+    (counts, now)
 }
 
 #[test]
@@ -341,6 +358,46 @@ fn predicted_sends_sequential_requests_to_the_faster_instance() {
     let share = f64::from(counts[1]) / f64::from(counts[0] + counts[1]);
     // all of them (the slow one keeps its calibration for minutes without traffic)
     assert!(share > 0.95, "{counts:?}");
+}
+
+/// Issue 22: a non-streamed answer teaches TTFT (its client sees the first token with the
+/// whole answer): with non-streamed traffic only, the models calibrate, `predicted` prefers
+/// the 10x faster instance, and an objective below the fastest total time is unattainable.
+#[test]
+fn non_streamed_traffic_alone_calibrates_and_places() {
+    let mut p = predicted_pool(2);
+    let (counts, now) = sequential_in(&mut p, vec![10.0, 1.0], 400, (false, 1));
+    let share = f64::from(counts[1]) / f64::from(counts[0] + counts[1]);
+    assert!(share > 0.95, "{counts:?}");
+    let fast = p.model(1).unwrap();
+    assert!(fast.latency.ttft_calibrated(now));
+    // no stream ever warmed TPOT: nothing was learnt of it, the whole time is TTFT
+    assert_eq!(fast.latency.tpot.samples(), 0);
+    let (ttft, _) = p.predict(1, 500, now).unwrap();
+    // 20 + 0.02 · 500 + 5 ms, then 49 · 10 ms
+    assert!((450.0..700.0).contains(&ttft), "{ttft}");
+    assert_eq!(p.attainable(Priority::High, now + 5_000, 500, now), 0);
+    assert!(p.attainable(Priority::High, now + 100, 500, now) > 0);
+}
+
+/// Once streams warmed TPOT, a non-streamed answer teaches TTFT its total minus (n − 1) mean
+/// TPOTs — the same quantity a stream's first token measures — and TPOT nothing.
+#[test]
+fn a_non_streamed_answer_after_streams_teaches_ttft_without_its_decode() {
+    let mut p = predicted_pool(1);
+    let (_, now) = sequential_in(&mut p, vec![1.0], 200, (true, 1));
+    let tpot_samples = p.model(0).unwrap().latency.tpot.samples();
+    let before = p.predict(0, 500, now).unwrap().0;
+    let (_, now) = sequential_in(&mut p, vec![1.0], 200, (false, now));
+    let m = p.model(0).unwrap();
+    assert_eq!(
+        m.latency.tpot.samples(),
+        tpot_samples,
+        "non-streamed: no TPOT sample"
+    );
+    let after = p.predict(0, 500, now).unwrap().0;
+    // ~35 ms idle TTFT either way, not the ~525 ms total
+    assert!(after < 2.0 * before && after < 100.0, "{before} -> {after}");
 }
 
 #[test]

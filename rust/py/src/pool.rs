@@ -437,8 +437,9 @@ impl Pool {
         self.inner.cancel(ticket)
     }
 
-    /// An attempt ended. On success `output_tokens` (0: unknown) teaches the instance's
-    /// latency model its TPOT (SPEC §17).
+    /// An attempt ended. On success with `output_tokens` (0: unknown) it teaches the instance's
+    /// latency model (SPEC §17): a stream (`first_token` was called) its TPOT, a non-streamed
+    /// answer its TTFT (its client's first token came with the whole answer).
     #[pyo3(signature = (ticket, outcome, now_ms, retry_after_ms = 0, output_tokens = 0))]
     fn release(
         &mut self,
