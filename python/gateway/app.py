@@ -25,6 +25,7 @@ from aiohttp.web_protocol import RequestHandler
 
 from gateway import logs, slo, telemetry
 from gateway._core import Priority
+from gateway.access import AccessValues
 from gateway.affinity import affinity_placement
 from gateway.auth import KeyRing, Tenant
 from gateway.batch import BATCH_PATHS, BatchApi, BatchService
@@ -188,6 +189,8 @@ class Gateway:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._boot = os.urandom(4).hex()
         self._id_prefix = f"gw-{self._boot}-"  # the ids the gateway makes
+        # The access line's values of a finished exchange, handed to the log as a value.
+        self._access_values = AccessValues(self._id_prefix, REDACTOR).values
         #: The admin routes, mounted by the composition root (`Server`), which owns reload.
         self.admin: Admin | None = None
         self._routes: dict[tuple[str, str], Handler] = {("GET", "/v1/models"): self.models}
@@ -215,9 +218,7 @@ class Gateway:
         if self.tracing is not None:
             tracing = self.tracing
             self.metrics.watch_spans(lambda: tracing.dropped)
-        self.forwarder = Forwarder(
-            lambda: self.runtime, self.metrics, REDACTOR, lambda: self._hard_stopped
-        )
+        self.forwarder = Forwarder(self.runtime, self.metrics, REDACTOR)
         # SPEC §16: request bytes held by queued and in-flight requests; SPEC §12: with
         # workers, counted per host in the region (so is every key's rpm/tpm).
         link = topology.link
@@ -343,7 +344,7 @@ class Gateway:
             waiting.cancel()
         if not self._active:
             return
-        self._hard_stopped = True
+        self._hard_stopped = self.forwarder.hard_stopped = True
         log.warning("drain deadline passed", extra={"fields": {"unfinished": len(self._active)}})
         for pool in self.runtime.pools.values():
             pool.fail_all_waiting(
@@ -898,41 +899,6 @@ class Gateway:
         if events:
             events.publish(RequestFinished(*values))
 
-    def _access_values(self, ex: Exchange, now: float) -> tuple[Any, ...]:
-        """The access line's values, in `logs.ACCESS_FIELDS` order (`RequestFinished`'s
-        fields), for `ex` finished at monotonic time `now`. Typed values that cannot hold a
-        secret (names from the config, codes, numbers) but for a request id the client chose:
-        that one is redacted (SPEC §7: no key in any log line)."""
-        d = ex.decision
-        usage = ex.usage
-        rid = ex.request_id
-        prefix = self._id_prefix
-        if not (rid.startswith(prefix) and rid[len(prefix) :].isdigit()):
-            rid = REDACTOR.redact(rid)
-        return (
-            rid,
-            ex.pool,
-            ex.instance,
-            ex.priority_label,
-            d.complexity if d else None,
-            d.complexity_rule if d else None,
-            round(ex.queue_ms, 1),
-            round(ex.upstream_ms, 1),
-            ex.status,
-            ex.attempts,
-            ex.error,
-            round((now - ex.started) * 1000, 1),
-            ex.source,
-            # SPEC §9: operators bill and throttle by key — its name, never the key itself.
-            ex.key_name,
-            _count(usage.get("prompt_tokens")) if usage else None,
-            _count(usage.get("completion_tokens")) if usage else None,
-            ex.affinity if ex.affinity_key or ex.affinity_prefix is not None else None,
-            ex.affinity_match,
-            # SPEC §17: met, missed or shed (None: no objective).
-            (ex.slo_result or "missed") if ex.has_objective else None,
-        )
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Line:
@@ -965,11 +931,6 @@ def _overloaded() -> Overloaded:
 def _draining(message: str) -> Draining:
     """SPEC §7 "SIGTERM drains": what a request the drain leaves unserved is answered."""
     return Draining(message, retry_after_ms=DEFAULT_RETRY_AFTER_MS)
-
-
-def _count(value: Any) -> int | None:
-    """A token count from an upstream's `usage`, if it is one (a non-negative int)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _upstream_body(data: dict[str, Any]) -> UpstreamBody:

@@ -380,17 +380,14 @@ def exhausted(last: AttemptError, wait_ms: Callable[[], int]) -> GatewayError:
 class Forwarder:
     """Runs attempts for the ingress; see the module docstring."""
 
-    def __init__(
-        self,
-        runtime: Callable[[], Runtime],
-        metrics: Metrics,
-        redactor: Redactor,
-        hard_stopped: Callable[[], bool],
-    ) -> None:
+    def __init__(self, runtime: Runtime, metrics: Metrics, redactor: Redactor) -> None:
+        # Values handed down, not callbacks up into the ingress: the runtime (reloaded in
+        # place), and the drain's verdict, which the ingress sets here (`hard_stopped`).
         self._runtime = runtime
         self._metrics = metrics
         self._redactor = redactor
-        self._hard_stopped = hard_stopped
+        #: SPEC §7: the drain deadline passed: a stream cut now ends with an error event.
+        self.hard_stopped = False
         #: SPEC §7: the instances upstreams paused with a 429/503 and Retry-After.
         self.cooling = Cooling()
 
@@ -412,7 +409,7 @@ class Forwarder:
         when the attempt failed before any byte reached the client (so it may be retried).
         The slot is released exactly once, with the outcome, whatever happens."""
         upstream = pool.upstream(idx)
-        config = self._runtime().config
+        config = self._runtime.config
         watchdog = ex.watchdog
         t0 = watchdog.loop.time()
         att = ex.attempt = Attempt()
@@ -456,7 +453,7 @@ class Forwarder:
         """Sends the request and reads the response head. SPEC §6 timeouts: the head within
         the first-byte timeout; from then on the attempt's total (`deadline`) is armed."""
         watchdog = ex.watchdog
-        config = self._runtime().config
+        config = self._runtime.config
         first_byte_ms = config.timeouts.first_byte_ms
         watchdog.arm(min(t0 + first_byte_ms / 1000, deadline))
         # SPEC §16: the id the upstream may echo, unique to this attempt — the request's id
@@ -514,7 +511,7 @@ class Forwarder:
     ) -> AttemptError:
         """The error for an answer that is the instance's failure (`is_instance_failure`),
         with the pause a 429/503 asked for (its body is read and dropped)."""
-        config = self._runtime().config
+        config = self._runtime.config
         status = resp_up.status
         raw = await _read_all(resp_up, ex.watchdog, config.limits.max_response_bytes)
         cool_ms = 0
@@ -538,7 +535,7 @@ class Forwarder:
         self, ex: Exchange, upstream: Upstream, resp_up: Response
     ) -> web.Response:
         """An upstream 4xx that is the client's fault, passed through in OpenAI's shape."""
-        limit = self._runtime().config.limits.max_response_bytes
+        limit = self._runtime.config.limits.max_response_bytes
         raw = await _read_all(resp_up, ex.watchdog, limit)
         # Scrubbed after decoding: a key spelled with JSON escapes is caught too.
         shaped = normalize_error(raw, resp_up.status).decode()
@@ -555,7 +552,7 @@ class Forwarder:
         """A complete (non-streamed) success, unless its body says otherwise (SPEC §6: an
         error inside an HTTP 200, or not a JSON object at all: `AttemptError`)."""
         status = resp_up.status
-        limit = self._runtime().config.limits.max_response_bytes
+        limit = self._runtime.config.limits.max_response_bytes
         raw = await _read_all(resp_up, ex.watchdog, limit)
         try:
             err, att.usage = inspect_body(raw)
@@ -615,7 +612,7 @@ class Forwarder:
         may still be retried (`AttemptError`); after it, a failure ends the stream with an
         error event. The head and the first events go out with the first content token
         (SPEC §17: the instance's TTFT sample, and the TTFT verdict in `X-Gateway-SLO`)."""
-        config = self._runtime().config
+        config = self._runtime.config
         checker = SseChecker(config.limits.max_event_bytes)
         if ex.span is not None and ex.span.recording:
             checker.finish_reasons = []  # gen_ai.response.finish_reasons, read as events pass
@@ -645,7 +642,7 @@ class Forwarder:
                 await resp.write(self._scrub_events(upstream, out, checker))
                 last = await self._relay_after_first(request, src, resp)
         except asyncio.CancelledError:
-            if self._hard_stopped():
+            if self.hard_stopped:
                 with contextlib.suppress(Exception):
                     await resp.write(sse_error_event("draining", "The gateway shut down."))
                     await resp.write_eof()
