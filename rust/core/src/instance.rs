@@ -16,7 +16,8 @@ pub struct Instance {
     pub in_flight: u32,
     /// SPEC §12: attempts other workers have on it (0 when one process owns the pool).
     pub peer_in_flight: u32,
-    pub breaker: Breaker,
+    /// Its health (SPEC §6): read through the methods below; only the core moves it.
+    pub(crate) breaker: Breaker,
     /// Removed by a reload: takes nothing new, drains what it has.
     pub removed: bool,
 }
@@ -44,6 +45,31 @@ impl Instance {
     /// Until when it is ejected, if it is.
     pub fn ejected_until(&self) -> Option<Millis> {
         self.breaker.ejected_until()
+    }
+
+    /// Consecutive failed attempts, while healthy.
+    pub fn consecutive_failures(&self) -> u32 {
+        self.breaker.consecutive_failures()
+    }
+
+    /// Until when a Retry-After cools it (0: never cooled).
+    pub fn cool_until(&self) -> Millis {
+        self.breaker.cool_until()
+    }
+
+    /// The earliest time it may be tried again.
+    pub fn next_try_at(&self, now: Millis) -> Millis {
+        self.breaker.next_try_at(now)
+    }
+
+    /// How many times it was ejected.
+    pub fn ejections(&self) -> u64 {
+        self.breaker.ejections()
+    }
+
+    /// Half-open trial attempts in flight.
+    pub fn trials(&self) -> u32 {
+        self.breaker.trials()
     }
 
     /// SPEC §12 "an ejection seen by one worker holds for all": adopts another worker's.

@@ -17,6 +17,7 @@ pub mod health;
 pub mod instance;
 pub mod latency;
 pub mod matcher;
+mod peers;
 pub mod pool;
 pub mod prefix;
 pub mod queue;

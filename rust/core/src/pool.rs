@@ -18,7 +18,6 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{fence, Ordering::SeqCst};
 
 use crate::adaptive::Gradient;
 use crate::affinity::{self, HashRing};
@@ -27,11 +26,11 @@ use crate::error::CoreError;
 use crate::health::{Breaker, HealthConfig};
 pub use crate::instance::{Instance, InstanceExtra};
 use crate::latency::{Features, LatencyModel};
+use crate::peers::{Peers, Summary};
 use crate::prefix::{self, PrefixIndex};
 use crate::queue::{ClassQueue, Entry};
 use crate::selector::{Choice, Selector, SelectorConfig};
-use crate::shared::Shared;
-use crate::shm::{min_opt, Region};
+use crate::shm::Region;
 use crate::types::{
     Affinity, BalancerKind, InstanceState, Millis, Outcome, Priority, Tenant, Ticket,
 };
@@ -383,8 +382,9 @@ pub struct Pool {
     up_mask: Option<u64>,
     drain: DrainMeter,
     stats: PoolStats,
-    /// SPEC §12: the workers' shared state of this pool (`None`: this process owns it).
-    shared: Option<Shared>,
+    /// SPEC §12: where the pool's shared state lives (`peers.rs`): this process alone, or
+    /// the workers' region. The pool meets the other workers through it only.
+    peers: Peers,
 }
 
 impl Pool {
@@ -416,7 +416,7 @@ impl Pool {
             up_mask: None,
             drain: DrainMeter::default(),
             stats: PoolStats::default(),
-            shared: None,
+            peers: Peers::Alone,
             cfg,
         })
     }
@@ -434,9 +434,7 @@ impl Pool {
         self.queues[1].rekey_fifo(self.cfg.low_max_wait_ms, cfg.low_max_wait_ms);
         if cfg.selector != self.cfg.selector {
             self.selector.reset_credit();
-            if let Some(shared) = &self.shared {
-                shared.reset_credit();
-            }
+            self.peers.reset_credit();
         }
         self.balancer.kind = cfg.balancer;
         if cfg.prefix_capacity_blocks != self.cfg.prefix_capacity_blocks {
@@ -511,9 +509,7 @@ impl Pool {
             ring_id: ring_id.unwrap_or(idx as u64),
             ..InstanceExtra::default()
         };
-        if let Some(shared) = self.shared.as_mut() {
-            shared.bind(idx, extra.ring_id).ok_or_else(slots_used_up)?;
-        }
+        self.peers.bind(idx, extra.ring_id)?;
         // A reused slot is another instance: what the old one held is not there.
         self.prefixes.forget(idx);
         if idx < self.instances.len() {
@@ -600,8 +596,8 @@ impl Pool {
         }
         model.adaptive = adaptive.then(|| Gradient::new(max, now));
         self.instances[idx].limit = model.adaptive.as_ref().map_or(max, |g| g.limit(max));
-        if let (Some(shared), false) = (self.shared.as_ref(), adaptive) {
-            shared.clear_limit(idx); // SPEC §12: off for every worker
+        if !adaptive {
+            self.peers.clear_limit(idx); // SPEC §12: off for every worker
         }
         Ok(())
     }
@@ -699,9 +695,9 @@ impl Pool {
             self.typical_prompt += 0.02 * (f64::from(req.prompt_tokens) - self.typical_prompt);
         }
         // SPEC §12: a worker first reads the others' state, and after, shows its own.
-        self.sync(now);
+        self.before(now);
         let admit = self.admit(ticket, priority, req, blocks, now);
-        self.publish(now, false);
+        self.after(now, false);
         admit
     }
 
@@ -735,7 +731,7 @@ impl Pool {
             });
         }
         // SPEC §12: "nothing of that pool is waiting" in any worker.
-        if self.waiting() == 0 && self.peers_waiting() == (0, 0) {
+        if self.waiting() == 0 && self.peers.waiting() == (0, 0) {
             if let Some((inst, placed, matched)) =
                 self.pick_instance(excluded, affinity_key, blocks, want, now)
             {
@@ -791,15 +787,11 @@ impl Pool {
         if !blocks.is_empty() {
             self.pending_blocks.insert(ticket, blocks.into());
         }
-        if let Some(shared) = self.shared.as_mut() {
-            shared.tenant_waits(tenant);
-            // SPEC §12, no lost wake-up: publish that we wait, *then* look at the units again.
-            // A worker freeing a unit gives it back, then reads who waits; with a full fence
-            // on both sides (Dekker's pattern) at least one of the two sees the other.
-            self.publish_waiting();
-            fence(SeqCst);
-            self.sync(now);
-        }
+        // SPEC §12, no lost wake-up: publish that we wait, *then* look at the units again
+        // (see `Peers::queued`).
+        let (queues, tickets) = (&mut self.queues, &self.tickets);
+        self.peers.queued(tenant, || summary(queues, tickets));
+        self.before(now);
         // Usually nothing fits (the queue was non-empty because nothing did), but a free slot
         // that only retries excluded, or capacity that came back with time, must not idle.
         self.pump(now);
@@ -862,9 +854,8 @@ impl Pool {
                 self.forget_blocks(ticket);
                 self.queues[class.index()].forget(tenant);
                 self.stats.cancelled += 1;
-                if self.shared.is_some() {
-                    self.publish_waiting();
-                }
+                let (queues, tickets) = (&mut self.queues, &self.tickets);
+                self.peers.publish_waiting(|| summary(queues, tickets));
                 true
             }
             _ => false,
@@ -927,11 +918,9 @@ impl Pool {
         };
         self.tickets.remove(&ticket);
         self.learn(instance as usize, &sample, outcome, output_tokens, now);
-        if let Some(shared) = self.shared.as_mut() {
-            shared.give(instance as usize, trial);
-            fence(SeqCst); // the other half of `submit`'s fence: then read who waits
-        }
-        self.sync(now);
+        // The other half of `submit`'s fence: give the unit back, then read who waits.
+        self.peers.give(instance as usize, trial);
+        self.before(now);
         // Time-driven transitions first, so the outcome meets the state it really lands in.
         self.advance(now);
         let inst = &mut self.instances[instance as usize];
@@ -944,13 +933,13 @@ impl Pool {
         let current = epoch == inst.breaker.epoch();
         inst.breaker
             .on_outcome(&self.cfg.health, outcome, epoch, trial, now);
-        if let Some(shared) = &self.shared {
-            // SPEC §12: the failure threshold counts every worker's attempts.
-            if current && before == InstanceState::Healthy && outcome != Outcome::Neutral {
-                let n = shared.outcome(instance as usize, outcome == Outcome::Failure);
-                if n > 0 {
-                    inst.breaker.shared_failures(&self.cfg.health, n, now);
-                }
+        // SPEC §12: the failure threshold counts every worker's attempts.
+        if current && before == InstanceState::Healthy && outcome != Outcome::Neutral {
+            let n = self
+                .peers
+                .outcome(instance as usize, outcome == Outcome::Failure);
+            if n > 0 {
+                inst.breaker.shared_failures(&self.cfg.health, n, now);
             }
         }
         if retry_after_ms > 0 {
@@ -965,7 +954,7 @@ impl Pool {
             self.invalidate();
         }
         self.pump(now);
-        self.publish(now, true);
+        self.after(now, true);
         Ok(self.take_events())
     }
 
@@ -1040,38 +1029,15 @@ impl Pool {
         self.adapt(k, now);
     }
 
-    /// SPEC §17: judges instance `k`'s adaptive window, if complete; its cap follows. With
-    /// workers (SPEC §12) the limit is one shared word of the instance's region slot: a worker
-    /// adopts the latest judgement, and judges only when none was made in the last window (the
-    /// first worker with a full window does, by CAS), so the cap is one value and it moves once
-    /// per window, whichever worker's completions filled it.
+    /// SPEC §17: judges instance `k`'s adaptive window, if complete; its cap follows (with
+    /// workers one shared limit, see `Peers::adapt`).
     fn adapt(&mut self, k: usize, now: Millis) {
         let inst = &mut self.instances[k];
         let Some(g) = self.models[k].adaptive.as_mut() else {
             return;
         };
         let max = inst.max_concurrency;
-        match self.shared.as_ref() {
-            None => {
-                g.update(max, now);
-            }
-            Some(shared) => {
-                let (seen, current) = shared.limit(k);
-                if let Some((limit, at)) = current {
-                    g.adopt(limit, at, now);
-                    if now < at.saturating_add(crate::adaptive::WINDOW_MS) {
-                        inst.limit = g.limit(max);
-                        return;
-                    }
-                }
-                if g.update(max, now) && !shared.judge_limit(k, seen, Some((g.raw(), now))) {
-                    // Another worker judged first: its limit holds.
-                    if let (_, Some((limit, at))) = shared.limit(k) {
-                        g.adopt(limit, at, now);
-                    }
-                }
-            }
-        }
+        self.peers.adapt(k, g, max, now);
         inst.limit = g.limit(max);
     }
 
@@ -1086,11 +1052,9 @@ impl Pool {
         if idx >= self.instances.len() {
             return Err(CoreError::UnknownInstance(idx));
         }
-        self.sync(now);
-        if let Some(shared) = self.shared.as_mut() {
-            shared.publish_probe(idx, ok); // every worker applies it (one prober per interval)
-        }
-        // An ejection that ended meets this probe as half-open: a failure ejects it again.
+        self.before(now);
+        self.peers.publish_probe(idx, ok); // every worker applies it (one prober per interval)
+                                           // An ejection that ended meets this probe as half-open: a failure ejects it again.
         self.advance(now);
         let breaker = &mut self.instance_mut(idx)?.breaker;
         let before = breaker.state();
@@ -1101,21 +1065,21 @@ impl Pool {
             self.invalidate();
         }
         self.pump(now);
-        self.publish(now, true);
+        self.after(now, true);
         Ok(self.take_events())
     }
 
     /// Time passed: expire overdue waiters, admit instances whose ejection or cool-down ended.
     /// Call at `next_wakeup`, and after reconfiguring.
     pub fn tick(&mut self, now: Millis) -> Vec<Event> {
-        self.sync(now);
+        self.before(now);
         for k in 0..self.instances.len() {
             self.models[k].latency.refresh(now);
             self.adapt(k, now);
         }
         self.advance(now);
         self.pump(now);
-        self.publish(now, true);
+        self.after(now, true);
         self.take_events()
     }
 
@@ -1181,13 +1145,11 @@ impl Pool {
         while self.waiting() > 0 {
             let tickets = &self.tickets;
             let low_live = |t| is_waiting(tickets, t, Priority::Low);
-            let mut high_waiting = self.queues[0].live() > 0;
-            let mut oldest_low = self.queues[1].oldest_enqueued_at(&low_live);
-            if let Some(shared) = &self.shared {
-                // SPEC §12: the selector and the starvation guard see every worker's queue.
-                high_waiting |= shared.peers.high > 0;
-                oldest_low = min_opt(oldest_low, shared.peers.oldest_low);
-            }
+            // SPEC §12: the selector and the starvation guard see every worker's queue.
+            let (high_waiting, oldest_low) = self.peers.heads(
+                self.queues[0].live() > 0,
+                self.queues[1].oldest_enqueued_at(&low_live),
+            );
             let Some(choice) =
                 self.selector
                     .choose(&self.cfg.selector, high_waiting, oldest_low, now)
@@ -1195,9 +1157,8 @@ impl Pool {
                 break;
             };
             let first = choice.class();
-            if self.shared.is_some() && (!self.any_room(now) || self.defers(first, now)) {
-                // Nothing free (a deferral then would be given up for nothing), or the turn
-                // is another worker's.
+            if self.defers(first, now) {
+                // Nothing free with workers, or the turn is another worker's.
                 break;
             }
             let Some((entry, (inst, placed, matched), class)) = self
@@ -1301,7 +1262,7 @@ impl Pool {
             backend_loaded,
             ring,
             cfg,
-            shared,
+            peers,
             prefixes,
             pending_blocks,
             models,
@@ -1316,7 +1277,6 @@ impl Pool {
             models,
             typical_output: *typical_output,
         };
-        let shared = shared.as_ref();
         queues[class.index()]
             .pop_fitting(&live, |e| {
                 let blocks = if pending_blocks.is_empty() {
@@ -1334,7 +1294,7 @@ impl Pool {
                     ring,
                     &view,
                     cfg,
-                    shared,
+                    peers,
                     e.excluded,
                     (e.affinity_key, blocks, prefixes),
                     want,
@@ -1394,9 +1354,7 @@ impl Pool {
         want: Want,
         now: Millis,
     ) {
-        if let Some(shared) = self.shared.as_mut() {
-            shared.tenant_granted(tenant);
-        }
+        self.peers.tenant_granted(tenant);
         // SPEC §17: the instance's state as this attempt finds it, for the model to learn.
         let extra = &self.extras[inst];
         let model = &mut self.models[inst];
@@ -1471,7 +1429,7 @@ impl Pool {
             &mut self.ring,
             &view,
             &self.cfg,
-            self.shared.as_ref(),
+            &self.peers,
             excluded,
             (affinity_key, blocks, &self.prefixes),
             want,
@@ -1551,7 +1509,7 @@ impl Pool {
     /// How long a request of `class` should wait before trying again: the queue ahead of it
     /// divided by the observed drain rate, at least 1 s, at most the class's `max_wait_ms`.
     pub fn retry_after_ms(&mut self, class: Priority, now: Millis) -> Millis {
-        let (peer_high, peer_low) = self.peers_waiting();
+        let (peer_high, peer_low) = self.peers.waiting();
         let high = self.queues[0].live() as u64 + peer_high;
         let ahead = match class {
             Priority::High => high,
@@ -1582,7 +1540,7 @@ impl Pool {
         if idx >= self.instances.len() {
             return Err(CoreError::UnknownInstance(idx));
         }
-        self.sync(now);
+        self.before(now);
         let m = &self.models[idx];
         let f = m.features(
             &self.instances[idx],
@@ -1608,7 +1566,7 @@ impl Pool {
         if deadline == 0 {
             return 0;
         }
-        self.sync(now);
+        self.before(now);
         self.advance(now);
         let budget = deadline.saturating_sub(now) as f64;
         let health = &self.cfg.health;
@@ -1640,7 +1598,7 @@ impl Pool {
             return 0; // nothing up: §6's answer (fallback, 503), not this one
         }
         // SPEC §3 queue ahead of it: high waits behind high; low behind both.
-        let (peer_high, peer_low) = self.peers_waiting();
+        let (peer_high, peer_low) = self.peers.waiting();
         let high = self.queues[0].live() as u64 + peer_high;
         let ahead = match class {
             Priority::High => high,
@@ -1692,7 +1650,7 @@ impl Pool {
     /// Slots a new request could take right now: free slots of instances that admit traffic
     /// (a half-open instance counts only its remaining trial permits).
     pub fn free_slots(&mut self, now: Millis) -> u32 {
-        self.sync(now);
+        self.before(now);
         self.advance(now);
         let health = &self.cfg.health;
         self.instances
@@ -1746,7 +1704,7 @@ impl Pool {
     }
 }
 
-/// SPEC §12: the pool as one of several workers sharing one region.
+/// SPEC §12: the pool as one of several workers sharing one region (`peers.rs`).
 impl Pool {
     /// Makes this pool the worker `worker`'s share of pool `pool_id` (a stable hash of its
     /// name) in the workers' region. Call before adding instances.
@@ -1761,56 +1719,47 @@ impl Pool {
                 "attach a pool to the workers' region before adding instances".into(),
             ));
         }
-        self.shared = Some(Shared::new(region, pool_id, worker).ok_or_else(slots_used_up)?);
+        self.peers = Peers::workers(region, pool_id, worker)?;
         Ok(())
     }
 
     pub fn is_shared(&self) -> bool {
-        self.shared.is_some()
+        self.peers.is_shared()
     }
 
     /// SPEC §16: (instances bound to a region cell, tenant entries cached) of this worker;
     /// (0, 0) for a single process.
     pub fn shared_tables(&self) -> (usize, usize) {
-        self.shared
-            .as_ref()
-            .map_or((0, 0), |s| (s.bound(), s.tenants_cached()))
+        self.peers.tables()
     }
 
     /// What the other workers have waiting (high, low); (0, 0) for a single process.
     pub fn peers_waiting(&self) -> (u64, u64) {
-        self.shared
-            .as_ref()
-            .map_or((0, 0), |s| (s.peers.high, s.peers.low))
+        self.peers.waiting()
     }
 
     /// Grants made by every worker (high, low); this pool's own for a single process.
     pub fn grants_everywhere(&self) -> (u64, u64) {
-        self.shared
-            .as_ref()
-            .map_or((self.stats.granted[0], self.stats.granted[1]), |s| {
-                s.grants()
-            })
+        self.peers
+            .grants()
+            .unwrap_or((self.stats.granted[0], self.stats.granted[1]))
     }
 
     /// Worker slots to wake since the last call (a bit set; always 0 for a single process).
     pub fn take_wakes(&mut self) -> u64 {
-        self.shared.as_mut().map_or(0, Shared::take_wakes)
+        self.peers.take_wakes()
     }
 
     /// SPEC §12 "one probe per instance per interval, not N": whether this worker probes
     /// instance `idx` now. Always `true` for a single process.
     pub fn claim_probe(&self, idx: usize, now: Millis, interval_ms: Millis) -> bool {
-        self.shared
-            .as_ref()
-            .is_none_or(|s| idx < self.instances.len() && s.claim_probe(idx, now, interval_ms))
+        self.peers
+            .claim_probe(idx, self.instances.len(), now, interval_ms)
     }
 
-    fn sync(&mut self, now: Millis) {
-        let Some(shared) = self.shared.as_mut() else {
-            return;
-        };
-        if shared.sync(
+    /// Before an operation: what the other workers changed (`Peers::before`).
+    fn before(&mut self, now: Millis) {
+        if self.peers.before(
             &mut self.instances,
             &self.cfg.health,
             &mut self.selector,
@@ -1823,91 +1772,68 @@ impl Pool {
 
     /// After an operation: this worker's queue for the others to see, the ejections it made;
     /// with `offer`, a free unit its queue left goes to the workers that wait.
-    fn publish(&mut self, now: Millis, offer: bool) {
-        if self.shared.is_none() {
-            return;
-        }
-        self.publish_waiting();
-        let free = offer && self.any_room(now);
-        let Some(shared) = self.shared.as_mut() else {
-            return;
-        };
-        shared.publish_ejections(&self.instances);
-        if free {
-            shared.offer();
-        }
+    fn after(&mut self, now: Millis, offer: bool) {
+        let (queues, tickets) = (&mut self.queues, &self.tickets);
+        let (instances, health) = (&self.instances, &self.cfg.health);
+        self.peers.after(
+            || summary(queues, tickets),
+            instances,
+            || offer && any_room(instances, health, now),
+        );
     }
 
-    /// Whether `class`'s queue has room for one more. SPEC §12: with workers the capacity
-    /// bounds the union — a place is taken in the shared count before the entry goes in.
+    /// Whether `class`'s queue has room for one more (with workers: in the union of every
+    /// worker's queue, `Peers::has_place`).
     fn has_room(&mut self, class: Priority) -> bool {
         let queue = &self.queues[class.index()];
-        match self.shared.as_mut() {
-            None => queue.has_room(),
-            Some(shared) => shared.take_place(class, queue.capacity),
-        }
+        self.peers
+            .has_place(class, queue.capacity, queue.has_room())
     }
 
-    /// Whether some instance could take an attempt now (every worker's attempts counted).
-    fn any_room(&self, now: Millis) -> bool {
-        let health = &self.cfg.health;
-        self.instances
-            .iter()
-            .any(|i| !i.removed && i.has_room() && i.breaker.admits(health, now))
-    }
-
-    fn publish_waiting(&mut self) {
-        let tickets = &self.tickets;
-        let [high, low] = &mut self.queues;
-        let counts = (high.live(), low.live());
-        let is_high = |t| is_waiting(tickets, t, Priority::High);
-        let is_low = |t| is_waiting(tickets, t, Priority::Low);
-        let oldest = (
-            high.oldest_enqueued_at(&is_high),
-            low.oldest_enqueued_at(&is_low),
-        );
-        let turns = (high.next_turn(&is_high), low.next_turn(&is_low));
-        if let Some(shared) = self.shared.as_mut() {
-            shared.publish_turns(turns.0, turns.1);
-            shared.publish_waiting(counts, oldest);
-        }
-    }
-
-    /// SPEC §12: whether this worker gives the grant of a `class` turn to another: the class
-    /// waits only there, or another worker's next turn in it is fairer (its tenant had fewer
-    /// grants across workers, or as many and it came first). The other is woken.
+    /// SPEC §12: whether this worker gives the grant of a `class` turn to another
+    /// (`Peers::defers`; never for a single process).
     fn defers(&mut self, class: Priority, now: Millis) -> bool {
-        let tickets = &self.tickets;
-        let mine = self.queues[class.index()].next_turn(&|t| is_waiting(tickets, t, class));
-        let Some(shared) = self.shared.as_mut() else {
-            return false;
-        };
-        match mine {
-            None => {
-                // The turn is a class only other workers have waiting: theirs to take.
-                shared.defer_to(class);
-                true
-            }
-            Some(mine) => shared.better_turn(class, mine, now).is_some(),
-        }
+        let (queues, tickets) = (&mut self.queues, &self.tickets);
+        let (instances, health) = (&self.instances, &self.cfg.health);
+        self.peers.defers(
+            class,
+            || any_room(instances, health, now),
+            || queues[class.index()].next_turn(&|t| is_waiting(tickets, t, class)),
+            now,
+        )
     }
 
     fn commit_choice(&mut self, choice: Choice, class: Priority, low_waiting: bool, now: Millis) {
-        let before = self.shared.as_ref().map(|_| self.selector.clone());
-        self.selector
-            .commit(&self.cfg.selector, choice, class, low_waiting, now);
-        if let (Some(shared), Some(before)) = (&self.shared, before) {
-            shared.commit(&before, &self.selector, class, now);
-        }
+        let cfg = &self.cfg.selector;
+        self.peers.commit(
+            &mut self.selector,
+            |selector| selector.commit(cfg, choice, class, low_waiting, now),
+            class,
+            now,
+        );
     }
 }
 
-fn slots_used_up() -> CoreError {
-    CoreError::InvalidConfig(format!(
-        "the workers' shared region is full ({} pools, {} instance slots per pool)",
-        crate::shm::MAX_POOLS,
-        crate::shm::MAX_SLOTS
-    ))
+/// What this worker's queue shows the other workers (SPEC §12).
+fn summary(queues: &mut [ClassQueue; 2], tickets: &TicketMap) -> Summary {
+    let [high, low] = queues;
+    let is_high = |t| is_waiting(tickets, t, Priority::High);
+    let is_low = |t| is_waiting(tickets, t, Priority::Low);
+    Summary {
+        counts: (high.live(), low.live()),
+        oldest: (
+            high.oldest_enqueued_at(&is_high),
+            low.oldest_enqueued_at(&is_low),
+        ),
+        turns: (high.next_turn(&is_high), low.next_turn(&is_low)),
+    }
+}
+
+/// Whether some instance could take an attempt now (every worker's attempts counted).
+fn any_room(instances: &[Instance], health: &HealthConfig, now: Millis) -> bool {
+    instances
+        .iter()
+        .any(|i| !i.removed && i.has_room() && i.breaker.admits(health, now))
 }
 
 impl Pool {
@@ -1941,23 +1867,21 @@ struct Instances<'a> {
     typical_output: f64,
 }
 
-/// `pick`, and in a shared pool (SPEC §12) the unit taken from the shared lease word: an
-/// instance another worker filled since the last look is passed over and the pick repeated.
+/// `pick`, and the unit taken (`Peers::take`): with workers (SPEC §12) from the shared lease
+/// word, so an instance another worker filled since the last look is passed over and the pick
+/// repeated; alone the first pick is taken.
 #[allow(clippy::too_many_arguments)]
 fn pick_taking(
     balancer: &mut Balancer,
     ring: &mut Option<HashRing>,
     view: &Instances<'_>,
     cfg: &PoolConfig,
-    shared: Option<&Shared>,
+    peers: &Peers,
     excluded: u64,
     affine: Affine<'_>,
     want: Want,
     now: Millis,
 ) -> Option<(usize, Affinity, u32)> {
-    let Some(shared) = shared else {
-        return pick(balancer, ring, view, cfg, excluded, affine, want, now);
-    };
     let mut full = 0u64;
     loop {
         let (k, placed, matched) = pick(
@@ -1970,7 +1894,7 @@ fn pick_taking(
             want,
             now,
         )?;
-        if shared.take(k, &view.instances[k], cfg.health.half_open_max_requests) {
+        if peers.take(k, &view.instances[k], cfg.health.half_open_max_requests) {
             return Some((k, placed, matched));
         }
         full |= 1 << k;

@@ -380,7 +380,7 @@ impl Caller {
         let cap = h.max_ejection_ms.max(h.ejection_ms);
         for i in 0..self.seen.len() {
             let state = self.pool.instance_state(i, self.now).unwrap();
-            let breaker = &self.pool.instances()[i].breaker;
+            let breaker = &self.pool.instances()[i];
             let before = self.seen[i].clone();
             let until = breaker.ejected_until();
             let new_ejection = state == InstanceState::Ejected && until != before.ejected_until;
@@ -438,7 +438,7 @@ impl Caller {
             let Some((inst, spell)) = self.running.get_mut(&ticket) else {
                 continue; // granted and released within this operation
             };
-            let b = &self.pool.instances()[*inst].breaker;
+            let b = &self.pool.instances()[*inst];
             assert_ne!(
                 b.state(),
                 InstanceState::Ejected,

@@ -550,18 +550,17 @@ impl Pool {
         let (limit, adaptive) = (i.limit, self.inner.model(index)?.adaptive());
         let model = self.inner.model_view(index, now_ms)?;
         let i = &self.inner.instances()[index];
-        let b = &i.breaker;
         Ok(InstanceInfo {
             state: state.into(),
             in_flight: i.in_flight,
             peer_in_flight: i.peer_in_flight,
             max_concurrency: i.max_concurrency,
-            consecutive_failures: b.consecutive_failures(),
-            ejected_until_ms: b.ejected_until(),
-            cool_until_ms: b.cool_until(),
-            next_try_ms: b.next_try_at(now_ms),
-            ejections: b.ejections(),
-            half_open_trials: b.trials(),
+            consecutive_failures: i.consecutive_failures(),
+            ejected_until_ms: i.ejected_until(),
+            cool_until_ms: i.cool_until(),
+            next_try_ms: i.next_try_at(now_ms),
+            ejections: i.ejections(),
+            half_open_trials: i.trials(),
             removed: i.removed,
             backend_waiting: extra.backend_waiting,
             cache_permille: extra.cache_permille,
