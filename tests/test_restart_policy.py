@@ -169,3 +169,52 @@ def test_a_dead_slot_is_never_hung() -> None:
     s.clock.advance(START_ALLOWANCE_MS * 2)
     assert not s.policy.hung(0, 0)
     assert s.policy.hung(1, 0)
+
+
+class _Stopped:
+    """A worker process that never runs (SIGSTOPped, or a start that hangs): `kill` noted."""
+
+    def __init__(self) -> None:
+        self.killed = 0
+
+    def kill(self) -> None:
+        self.killed += 1
+
+
+def test_the_supervisors_hang_check_spares_a_slow_start_on_its_clock() -> None:
+    """The supervisor's periodic check on a manual clock, over its real region: a worker
+    that took 20 s to send its first heartbeat is not killed meanwhile; once it stopped
+    beating it is killed `HANG_MS` later; one that never sends a heartbeat is killed after
+    the start allowance."""
+    import os
+    import shutil
+
+    from gateway.workers import HANG_CHECK_MS, Supervisor
+
+    clock = ManualClock()
+    t0 = clock.now_ms()
+    sup = Supervisor(2, ["serve"], "127.0.0.1", 0, clock=clock)
+    try:
+        procs = [_Stopped(), _Stopped()]
+        for k, proc in enumerate(procs):
+            sup._slots[k].proc = proc  # type: ignore[assignment]
+            sup.region.worker_start(k, 1, os.getpid())
+            sup.policy.started(k)
+        sup._check_hangs()  # and every HANG_CHECK_MS after, on the clock
+        clock.advance(20_000)
+        assert [p.killed for p in procs] == [0, 0]  # both still starting, past HANG_MS
+        sup.region.heartbeat(0, clock.now_ms())  # slot 0 listens, beats once, then stops
+        clock.advance(HANG_MS)
+        assert [p.killed for p in procs] == [0, 0]
+        clock.advance(HANG_CHECK_MS)
+        assert procs[0].killed >= 1 and procs[1].killed == 0
+        clock.advance(t0 + START_ALLOWANCE_MS - HANG_CHECK_MS - clock.now_ms())
+        assert procs[1].killed == 0  # just within its allowance
+        clock.advance(2 * HANG_CHECK_MS)
+        assert procs[1].killed >= 1
+    finally:
+        sup._stopping = True
+        sup._sock.close()
+        shutil.rmtree(sup._dir, ignore_errors=True)
+        for fd in (sup._shm, *sup._wake):
+            os.close(fd)

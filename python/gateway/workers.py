@@ -486,19 +486,21 @@ class Supervisor:
         self._hang_check = None
         if self._stopping:
             return
-        for slot in self._slots:
-            if slot.proc is None:
-                continue
-            beat = self.region.worker(slot.index)[3]
-            if self.policy.hung(slot.index, beat):
-                starting = beat == 0
-                log.error(
-                    "worker hung: killed",
-                    extra={"fields": {"worker": slot.index, "starting": starting}},
-                )
-                with contextlib.suppress(ProcessLookupError):
-                    slot.proc.kill()
-        self._hang_check = self.clock.call_later(HANG_CHECK_MS, self._check_hangs)
+        try:
+            for slot in self._slots:
+                if slot.proc is None:
+                    continue
+                beat = self.region.worker(slot.index)[3]
+                if self.policy.hung(slot.index, beat):
+                    starting = beat == 0
+                    log.error(
+                        "worker hung: killed",
+                        extra={"fields": {"worker": slot.index, "starting": starting}},
+                    )
+                    with contextlib.suppress(ProcessLookupError):
+                        slot.proc.kill()
+        finally:  # a check that failed must not end the watch
+            self._hang_check = self.clock.call_later(HANG_CHECK_MS, self._check_hangs)
 
     async def _ready(self) -> bool:
         """Every worker listening (its first heartbeat is written after it listens); False
