@@ -674,15 +674,14 @@ class Gateway:
                 f"Content-Type must be application/json, not {mime or 'missing'!r}.",
             )
         limit = cfg.max_body_bytes
-        too_large = RequestTooLarge(f"The request body exceeds {limit} bytes.")
         if request.content_length is not None and request.content_length > limit:
-            raise too_large
+            raise _too_large(limit)
         content = request.content
         if content.is_eof():
             # The whole body came with the head (the usual case): no waiting, no timer.
             body = await content.read()
             if len(body) > limit:
-                raise too_large
+                raise _too_large(limit)
             return body
         chunks: list[bytes] = []
         size = 0
@@ -697,7 +696,7 @@ class Gateway:
                 n = len(chunk)
                 size += n
                 if size > limit:
-                    raise too_large
+                    raise _too_large(limit)
                 if not self.buffered.take(n, bound):
                     raise _overloaded()
                 chunks.append(chunk)
@@ -926,6 +925,11 @@ def _overloaded() -> Overloaded:
         "The gateway holds as many request bytes as it may; retry later.",
         retry_after_ms=DEFAULT_RETRY_AFTER_MS,
     )
+
+
+def _too_large(limit: int) -> RequestTooLarge:
+    # Built only when raised: an exception and its message cost ~1 µs a request otherwise.
+    return RequestTooLarge(f"The request body exceeds {limit} bytes.")
 
 
 def _draining(message: str) -> Draining:
