@@ -472,7 +472,10 @@ class Gateway:
         except (RequestError, QueueFull, NoHealthyInstance) as err:
             ex.status, ex.error, _ = answer_of(err)
             self.metrics.rejected(ex.error)
-            answer = err
+            # Kept as the answer without its traceback: its frames (this one included, a
+            # cycle only the GC would break) hold what the request held, e.g. the body read
+            # so far (SPEC §16: memory the bound no longer counts).
+            answer = err.with_traceback(None)
         except asyncio.CancelledError:
             if not (self._hard_stopped and task in self._active):
                 if line is None:
