@@ -1,9 +1,10 @@
 """SPEC §12 "Bounded and reclaimed": the workers' shared region never fills up — cells of
-removed instances and idle tenants are reclaimed — and a region file of the wrong size or
-without its seals is refused with a clear error (a short one used to SIGBUS the process).
+removed instances, idle tenants and closed pools are reclaimed — and a region file of the
+wrong size or without its seals is refused with a clear error (a short one used to SIGBUS the
+process).
 
 The table tests run two workers' pools in one process on one memfd (fast, exact); one test
-reloads a real `gateway serve --workers 2` through `POST /admin/reload` past the old limit."""
+reloads a real `gateway serve --workers 2` through `POST /admin/reload` past the old limits."""
 
 from __future__ import annotations
 
@@ -127,6 +128,51 @@ def test_a_thousand_tenants_leave_the_tenant_table_bounded() -> None:
     assert region.tables()[1][0] <= 63
 
 
+def test_a_hundred_pool_renames_leave_the_region_bounded() -> None:
+    """A reload loop renaming the *pool* 100 times (the region held 32 pool names per start):
+    each closed pool detaches in both workers and its place and cells go back, while a pool
+    of the same name still in use keeps them."""
+    region = _region()
+    for name in range(100, 200):
+        pools = [_core.Pool(_core.PoolConfig()) for _ in range(2)]
+        for w, pool in enumerate(pools):
+            pool.attach(region, name, w)  # raised "region is full" at the 33rd name
+            assert pool.add_instance(2, 7) == 0
+            assert pool.submit(1, Priority.HIGH, name) == 0
+        assert len(region.tables()[0]) == 1, "the one pool of this name, nothing older"
+        for pool in pools:
+            pool.release(1, Outcome.SUCCESS, name)
+            pool.detach()
+            pool.detach()  # idempotent
+        assert region.tables() == ([], [], 0)
+
+
+def test_a_closing_pool_leaves_nothing_its_successor_of_the_same_name_uses() -> None:
+    """A worker holds two pools of one name while a removed one drains beside its re-added
+    successor: the first to close leaves no cell the other uses (the cap still counts the
+    successor's attempt), and the last to close frees the place."""
+    region = _region()
+    old, new, peer = _pool(region, 0), _pool(region, 0), _pool(region, 1)
+    for pool in (old, new, peer):
+        pool.add_instance(1, 7)  # max_concurrency 1, one cell for all three
+    assert old.submit(1, Priority.HIGH, 0) == 0
+    old.release(1, Outcome.SUCCESS, 1)
+    old.remove_instance(0)
+    assert new.submit(2, Priority.HIGH, 2) == 0  # worker 0 holds the instance's one unit
+    old.tick(3)
+    old.detach()
+    assert region.tables()[0] == [1], "the successor's cell stays"
+    assert peer.submit(3, Priority.HIGH, 4) is None, "the cap still sees worker 0's attempt"
+    assert peer.cancel(3)
+    new.release(2, Outcome.SUCCESS, 5)
+    new.detach()
+    assert region.tables()[0] == [1], "worker 1 still uses the pool"
+    assert peer.submit(4, Priority.HIGH, 6) == 0
+    peer.release(4, Outcome.SUCCESS, 7)
+    peer.detach()
+    assert region.tables() == ([], [], 0)
+
+
 def test_key_entries_are_left_and_reclaimed_with_a_dead_worker() -> None:
     region = _region()
     slots = [region.key_slot(k, 0) for k in range(600)]
@@ -178,4 +224,57 @@ async def test_reloads_keep_renaming_instances_past_the_old_limit(
         print(f"150 reloads in {time.monotonic() - started:.1f} s")
         results = await asyncio.gather(*(gw.chat() for _ in range(8)))
         assert all(r.status == 200 for r in results), [r.status for r in results]
+        await gw.assert_quiet()
+
+
+async def test_reloads_keep_renaming_pools_past_the_old_limit(
+    tmp_path: Path, mocks: MockFactory
+) -> None:
+    """100 pool renames by `POST /admin/reload` to a `--workers 2` gateway (the region held 32
+    pool names per start: the 31st rename was refused): every reload is applied, each closed
+    pool gives its place back, and the last pool (named `p` again) serves through both
+    workers."""
+    m: MockServer = await mocks()
+    instance = f'      - {{name: i, url: "{m.url}", model: up, max_concurrency: 2}}'
+
+    def write(path: Path, port: int, pool: str) -> None:
+        lines = [
+            f"listen: {{host: 127.0.0.1, port: {port}}}",
+            "shutdown: {drain_timeout_ms: 5000, drain_delay_ms: 0}",
+            "pools:",
+            f"  {pool}:",
+            "    instances:",
+            instance,
+            "models:",
+            f"  m: {{pool: {pool}}}",
+        ]
+        # Whole, at once: the other worker reloads from the file when told to.
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("\n".join(lines) + "\n")
+        os.replace(tmp, path)
+
+    async with workers(tmp_path, 2, instance) as gw:
+
+        async def on(pool: str) -> None:
+            """Until both workers run `pool` alone (the other applies a reload a moment after
+            the one asked: meanwhile requests queued in its old pool would get the removed
+            pool's 503, SPEC §8)."""
+            deadline = time.monotonic() + 15
+            seen: set[int] = set()
+            while len(seen) < 2:
+                doc = await gw.state()
+                if set(doc["pools"]) == {pool}:
+                    seen.add(doc["worker"])
+                assert time.monotonic() < deadline, f"a worker never reached {pool}: {doc}"
+
+        port = int(gw.url.rsplit(":", 1)[1])
+        path = tmp_path / "gateway.yaml"
+        for n, pool in enumerate([*(f"p{k}" for k in range(1, 101)), "p"], 1):
+            write(path, port, pool)
+            async with gw.session.post(gw.url + "/admin/reload") as r:
+                assert r.status == 200, f"reload {n} ({pool}): {await r.text()}"
+            if n % 25 == 0 or pool == "p":
+                await on(pool)
+                results = await asyncio.gather(*(gw.chat() for _ in range(6)))
+                assert all(r.status == 200 for r in results), [r.status for r in results]
         await gw.assert_quiet()

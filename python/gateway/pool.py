@@ -531,5 +531,6 @@ class Pool:
 
     async def close(self) -> None:
         self._scheduler.close()
+        self._core.detach()  # SPEC §12: its region cells (the last of its name: its place) go back
         for up in [*self._upstreams, *self._replaced]:
             await up.close()

@@ -72,6 +72,11 @@ pub const fn is_live(v: u64) -> bool {
     v != 0 && v & (PENDING | FREEING) == 0
 }
 
+/// The key a cell's word holds (whatever its state).
+pub const fn key(v: u64) -> u64 {
+    v & KEY_MASK
+}
+
 /// The workers using a cell, as a bit set (0 unless live).
 pub const fn users_of(v: u64) -> u64 {
     if is_live(v) {

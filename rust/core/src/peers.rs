@@ -20,6 +20,8 @@
 //! - **health and limits**: `outcome` (failures counted across workers), `publish_probe`,
 //!   `claim_probe`, `adapt` and `clear_limit` (the adaptive limit is one word).
 //!
+//! `detach` leaves the region (the pool closed) and makes the pool `Alone`.
+//!
 //! An enum, not a trait object: the single-process case pays one discriminant test per call,
 //! as the `Option` it replaces did, and nothing is dispatched through a vtable on the hot path.
 
@@ -30,7 +32,7 @@ use crate::error::CoreError;
 use crate::health::HealthConfig;
 use crate::instance::Instance;
 use crate::selector::Selector;
-use crate::shared::Shared;
+use crate::shared::{Joins, Shared};
 use crate::shm::{min_opt, Region, MAX_POOLS, MAX_SLOTS};
 use crate::types::{InstanceState, Millis, Priority, Tenant};
 
@@ -58,15 +60,24 @@ pub(crate) enum Peers {
 }
 
 impl Peers {
-    /// Worker `worker`'s share of pool `pool_id` in `region`.
+    /// Worker `worker`'s share of pool `pool_id` in `region`, its process's uses of the
+    /// region's cells counted in `joins`.
     pub fn workers(
         region: Region<'static>,
+        joins: Joins,
         pool_id: u64,
         worker: usize,
     ) -> Result<Self, CoreError> {
-        Shared::new(region, pool_id, worker)
+        Shared::new(region, joins, pool_id, worker)
             .map(Self::Workers)
             .ok_or_else(slots_used_up)
+    }
+
+    /// The pool closed: with workers it leaves the region (`Shared::detach`); alone after.
+    pub fn detach(&mut self) {
+        if let Self::Workers(s) = std::mem::take(self) {
+            s.detach();
+        }
     }
 
     pub fn is_shared(&self) -> bool {

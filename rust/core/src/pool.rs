@@ -30,6 +30,7 @@ use crate::peers::{Peers, Summary};
 use crate::prefix::{self, PrefixIndex};
 use crate::queue::{ClassQueue, Entry};
 use crate::selector::{Choice, Selector, SelectorConfig};
+use crate::shared::Joins;
 use crate::shm::Region;
 use crate::types::{
     Affinity, BalancerKind, InstanceState, Millis, Outcome, Priority, Tenant, Ticket,
@@ -1707,10 +1708,24 @@ impl Pool {
 /// SPEC §12: the pool as one of several workers sharing one region (`peers.rs`).
 impl Pool {
     /// Makes this pool the worker `worker`'s share of pool `pool_id` (a stable hash of its
-    /// name) in the workers' region. Call before adding instances.
+    /// name) in the workers' region, as its process's only pool of that name. Call before
+    /// adding instances.
     pub fn attach(
         &mut self,
         region: Region<'static>,
+        pool_id: u64,
+        worker: usize,
+    ) -> Result<(), CoreError> {
+        self.attach_joined(region, &Joins::default(), pool_id, worker)
+    }
+
+    /// `attach`, with `joins` counting every use its process makes of the region's cells (one
+    /// per process and region: a process may hold two pools of one name, a removed one still
+    /// draining beside its successor, and neither may leave a cell the other uses).
+    pub fn attach_joined(
+        &mut self,
+        region: Region<'static>,
+        joins: &Joins,
         pool_id: u64,
         worker: usize,
     ) -> Result<(), CoreError> {
@@ -1719,8 +1734,17 @@ impl Pool {
                 "attach a pool to the workers' region before adding instances".into(),
             ));
         }
-        self.peers = Peers::workers(region, pool_id, worker)?;
+        self.peers = Peers::workers(region, joins.clone(), pool_id, worker)?;
         Ok(())
+    }
+
+    /// SPEC §12 "bounded and reclaimed": the pool leaves the workers' region (it closed):
+    /// the cells it used, and with its process's last pool of its name the pool's slot, go
+    /// back (the last worker to leave frees them for others). What it still has in flight is
+    /// given back with them; afterwards it schedules alone. (A pool dropped without it is a
+    /// killed worker's: its cells stay until the supervisor reclaims the worker's slot.)
+    pub fn detach(&mut self) {
+        self.peers.detach();
     }
 
     pub fn is_shared(&self) -> bool {

@@ -9,6 +9,7 @@
 //! operation.
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::health::HealthConfig;
 use crate::instance::Instance;
@@ -42,6 +43,78 @@ struct Deferral {
     at: Millis,
 }
 
+/// SPEC §12 "bounded and reclaimed", per process: which region cells this process's pools
+/// use, counted. A cell's user bit is the worker's, not a pool's, and one worker may hold two
+/// pools of one name — a removed pool still draining and its re-added successor — which share
+/// the pool's slot and every instance cell and tenant entry both bind. So a pool leaves a cell
+/// only through this count: the worker leaves it in the region when no pool of its process
+/// uses it any more (then what the worker still holds there is that pool's alone), and leaves
+/// the pool's slot with its last pool of that name (`Region::leave_pool`).
+///
+/// One per process and region (the binding keeps it beside its mapping); a pool attached
+/// without one counts alone, as if it were its process's only pool of that name. Locked only
+/// when a pool joins or leaves a cell, never on the scheduling path.
+#[derive(Clone, Debug, Default)]
+pub struct Joins(Arc<Mutex<HashMap<(usize, usize), Uses>>>);
+
+/// What one worker's pools of one pool slot use: (pools, instance cells, tenant entries).
+#[derive(Debug, Default)]
+struct Uses {
+    pools: u32,
+    cells: HashMap<(Table, usize), u32>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Table {
+    Instance,
+    Tenant,
+}
+
+impl Joins {
+    fn with<T>(&self, key: (usize, usize), f: impl FnOnce(&mut Uses) -> T) -> T {
+        // A panic elsewhere while locked leaves plain counts: still usable.
+        let mut map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let uses = map.entry(key).or_default();
+        let out = f(uses);
+        if uses.pools == 0 && uses.cells.is_empty() {
+            map.remove(&key);
+        }
+        out
+    }
+
+    /// One more use of cell `k` of `table`.
+    fn join(&self, key: (usize, usize), table: Table, k: usize) {
+        self.with(key, |u| *u.cells.entry((table, k)).or_default() += 1);
+    }
+
+    /// One use fewer; whether it was the process's last.
+    fn leave(&self, key: (usize, usize), table: Table, k: usize) -> bool {
+        self.with(key, |u| match u.cells.get_mut(&(table, k)) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                false
+            }
+            Some(_) => {
+                u.cells.remove(&(table, k));
+                true
+            }
+            None => true,
+        })
+    }
+
+    /// Pools of one name in this process, attached / detached; `leave_pool`: whether the last.
+    fn join_pool(&self, key: (usize, usize)) {
+        self.with(key, |u| u.pools += 1);
+    }
+
+    fn leave_pool(&self, key: (usize, usize)) -> bool {
+        self.with(key, |u| {
+            u.pools = u.pools.saturating_sub(1);
+            u.pools == 0
+        })
+    }
+}
+
 #[derive(Debug)]
 pub struct Shared {
     region: Region<'static>,
@@ -64,15 +137,22 @@ pub struct Shared {
     tenants: HashMap<Tenant, usize>,
     /// The latest turn given up to a peer.
     deferred: Option<Deferral>,
+    /// This process's uses of the region's cells (see `Joins`).
+    joins: Joins,
 }
 
 impl Shared {
-    pub fn new(region: Region<'static>, pool_id: u64, worker: usize) -> Option<Self> {
+    /// Worker `worker`'s share of pool `pool_id` (joined: see `Joins`). `None`: the worker slot
+    /// is not the region's, or every pool slot is used by other pools.
+    pub fn new(region: Region<'static>, joins: Joins, pool_id: u64, worker: usize) -> Option<Self> {
         if worker >= region.workers() {
             return None;
         }
+        let pool = region.join_pool(pool_id, worker)?;
+        joins.join_pool((pool, worker));
         Some(Self {
-            pool: region.pool_slot(pool_id)?,
+            joins,
+            pool,
             region,
             worker,
             slots: Vec::new(),
@@ -97,6 +177,8 @@ impl Shared {
         // those), so this worker leaves its cell first (SPEC §12 bounded and reclaimed).
         self.leave(idx);
         let slot = self.region.instance_slot(self.pool, id, self.worker)?;
+        self.joins
+            .join((self.pool, self.worker), Table::Instance, slot);
         if idx >= self.slots.len() {
             self.slots.resize(idx + 1, UNBOUND);
             self.seen_ejection.resize(idx + 1, 0);
@@ -119,10 +201,42 @@ impl Shared {
             return;
         };
         self.slots[idx] = UNBOUND;
-        // The same instance re-added by a reload while its old index drains shares the cell:
-        // this worker leaves only when no index of its own uses it any more.
-        if !self.slots.contains(&s) {
+        // The same instance re-added by a reload while its old index drains shares the cell,
+        // and so does another pool of this name in this process (`Joins`): this worker leaves
+        // only when nothing of its process uses the cell any more.
+        if self
+            .joins
+            .leave((self.pool, self.worker), Table::Instance, s)
+        {
             self.region.leave_instance(self.pool, s, self.worker);
+        }
+    }
+
+    /// SPEC §12 "bounded and reclaimed": the pool closed — it leaves what it joined (every
+    /// instance cell and tenant entry no other pool of its process uses) and, the last of its
+    /// name in the process, the pool's slot (`Region::leave_pool`: every unit the worker still
+    /// holds there goes back; the last worker frees the slot for another pool).
+    ///
+    /// Explicit, not `Drop`: a pool dropped without it is a killed worker's — its cells stay
+    /// until the supervisor reclaims its slot — so a process that loses a pool's handle (or a
+    /// test that kills a worker by dropping its pool) never writes to the region after.
+    pub fn detach(mut self) {
+        for idx in 0..self.slots.len() {
+            self.leave(idx);
+        }
+        for (_, k) in std::mem::take(&mut self.tenants) {
+            self.leave_tenant(k);
+        }
+        if self.joins.leave_pool((self.pool, self.worker)) {
+            self.region.leave_pool(self.pool, self.worker);
+        }
+    }
+
+    /// This worker leaves tenant entry `k` (joined by `tenant_slot`), in the region once no
+    /// pool of its process uses it.
+    fn leave_tenant(&self, k: usize) {
+        if k < TENANT_OVERFLOW && self.joins.leave((self.pool, self.worker), Table::Tenant, k) {
+            self.region.leave_tenant(self.pool, k, self.worker);
         }
     }
 
@@ -279,8 +393,8 @@ impl Shared {
             // are reclaimed; the last worker to leave one frees it). A few are kept joined
             // (the common case, a handful of keys, then costs no table scan per request):
             // at most `KEEP_TENANTS` per worker, a fraction of the table.
-            for (_, k) in self.tenants.drain() {
-                self.region.leave_tenant(self.pool, k, self.worker);
+            for (_, k) in std::mem::take(&mut self.tenants) {
+                self.leave_tenant(k);
             }
         }
         // Places of entries that left (granted, cancelled, expired, evicted) go back.
@@ -343,11 +457,14 @@ impl Shared {
     }
 
     fn tenant_slot(&mut self, tenant: Tenant) -> usize {
-        let (r, p, me) = (self.region, self.pool, self.worker);
-        *self
-            .tenants
-            .entry(tenant)
-            .or_insert_with(|| r.tenant_slot(p, tenant, me).unwrap_or(TENANT_OVERFLOW))
+        let (r, p, me, joins) = (self.region, self.pool, self.worker, &self.joins);
+        *self.tenants.entry(tenant).or_insert_with(|| {
+            let k = r.tenant_slot(p, tenant, me).unwrap_or(TENANT_OVERFLOW);
+            if k < TENANT_OVERFLOW {
+                joins.join((p, me), Table::Tenant, k);
+            }
+            k
+        })
     }
 
     /// A request of `tenant` starts waiting (fair share: an idle tenant joins at the pool's

@@ -39,10 +39,12 @@ use crate::types::Millis;
 
 /// "GWSHMv01".
 pub const MAGIC: u64 = 0x4757_5348_4d76_3031;
-pub const LAYOUT_VERSION: u64 = 2;
+/// 3: a pool's id word is a `cells.rs` key word (pools are reclaimed), not `id + 1`.
+pub const LAYOUT_VERSION: u64 = 3;
 /// Words per cache-line pair (128 bytes): hot words of different owners never share one.
 pub const LINE: usize = 16;
 pub const MAX_WORKERS: usize = 8;
+/// Pools at once (a pool's place is reclaimed once no worker uses it, SPEC §12).
 pub const MAX_POOLS: usize = 32;
 /// Instance cells per pool: a pool's live instances plus those a reload removed that still
 /// have requests in flight somewhere (a cell is reclaimed once no worker uses it).
@@ -601,14 +603,82 @@ impl<'a> Region<'a> {
 
     // ---- pools and instance slots -------------------------------------------------------
 
-    /// Whether pool slot `p` was claimed by a pool.
+    /// Whether pool slot `p` is held by a pool.
     pub fn pool_in_use(&self, p: usize) -> bool {
         p < MAX_POOLS && self.pool_word(p, P_ID).load(Acquire) != 0
     }
 
-    /// The pool slot of pool `id` (a stable hash of its name, nonzero), claimed if new.
-    pub fn pool_slot(&self, id: u64) -> Option<usize> {
-        claim(|p| self.pool_word(p, P_ID), MAX_POOLS, id.saturating_add(1))
+    /// The pool slot of pool `id` (a stable hash of its name), joined by worker `w` (claimed
+    /// if no slot holds it; a cell of `cells.rs`, like an instance's). `None`: every slot is
+    /// used by other pools.
+    pub fn join_pool(&self, id: u64, w: usize) -> Option<usize> {
+        cells::bind(|p| self.pool_word(p, P_ID), MAX_POOLS, cells::key_of(id), w)
+    }
+
+    /// The pool slot pool `id` holds, if some worker uses it (a look, no join).
+    pub fn find_pool(&self, id: u64) -> Option<usize> {
+        let key = cells::key_of(id);
+        (0..MAX_POOLS).find(|&p| {
+            let v = self.pool_word(p, P_ID).load(Acquire);
+            cells::is_live(v) && cells::key(v) == key
+        })
+    }
+
+    /// SPEC §12 "bounded and reclaimed" for pools: worker `w` no longer has any pool of this
+    /// name (its last one closed): it gives back every unit and trial permit it holds there,
+    /// leaves every instance cell and tenant entry it uses, clears its queue summary and
+    /// places, and leaves the pool's slot; the last worker to leave resets the whole block and
+    /// frees the slot for another pool. Returns whether it freed it.
+    pub fn leave_pool(&self, p: usize, w: usize) -> bool {
+        if !self.pool_in_use(p) {
+            return false;
+        }
+        self.forget_worker(p, w);
+        cells::unbind(self.pool_word(p, P_ID), w, || false, || self.reset_pool(p))
+    }
+
+    /// Everything worker `w` holds in pool `p` goes back: units, trial permits, instance cells
+    /// and tenant entries (the last user of each frees it), its queue summary and places.
+    /// Returns the units given back.
+    fn forget_worker(&self, p: usize, w: usize) -> u64 {
+        let mut units = 0;
+        for s in 0..MAX_SLOTS {
+            if self.slot_word(p, s, I_ID).load(Acquire) == 0 {
+                continue; // cells are freed and reused in any order
+            }
+            units += clear(self.lease(p, s), w, self.bits);
+            clear(self.slot_word(p, s, I_TRIALS), w, self.bits);
+        }
+        // Then the cells it used: a free it began is completed, the last user's leaving
+        // frees (what it held is already cleared above).
+        cells::reclaim(
+            |s| self.slot_word(p, s, I_ID),
+            MAX_SLOTS,
+            w,
+            |s| self.reset_slot(p, s),
+        );
+        cells::reclaim(
+            |k| self.tenant_word(p, k, false),
+            TENANT_OVERFLOW,
+            w,
+            |k| self.tenant_word(p, k, true).store(0, Release),
+        );
+        self.publish_waiting(p, w, 0, 0, None, None);
+        self.publish_turns(p, w, None, None);
+        clear(self.places(p, true), w, self.bits);
+        clear(self.places(p, false), w, self.bits);
+        units
+    }
+
+    /// A freed pool's block, all but its key word (which `cells::unbind` empties after),
+    /// back to zeros: the next pool to take the slot finds it as a fresh region's.
+    fn reset_pool(&self, p: usize) {
+        let base = self.pool_base(p);
+        for k in 0..PoolBlock::WORDS {
+            if k != P_ID {
+                self.words[base + k].store(0, Release);
+            }
+        }
     }
 
     /// The cell of instance `id` in pool slot `p`, joined by worker `w` (claimed if no cell
@@ -623,9 +693,15 @@ impl<'a> Region<'a> {
     }
 
     /// SPEC §12 "region cells of removed instances ... are reclaimed": worker `w` no longer
-    /// uses instance cell `s` (its instance was removed and nothing of `w` runs on it); the
-    /// last worker to leave resets the cell and frees it. Returns whether it was freed.
+    /// uses instance cell `s` (no pool of its process does); what it still held there goes
+    /// back (nothing, unless a pool closed with attempts in flight), and the last worker to
+    /// leave resets the cell and frees it. Returns whether it was freed.
     pub fn leave_instance(&self, p: usize, s: usize, w: usize) -> bool {
+        if !cells::is_live(self.slot_word(p, s, I_ID).load(Acquire)) {
+            return false;
+        }
+        clear(self.lease(p, s), w, self.bits);
+        clear(self.slot_word(p, s, I_TRIALS), w, self.bits);
         cells::unbind(
             self.slot_word(p, s, I_ID),
             w,
@@ -1042,32 +1118,15 @@ impl<'a> Region<'a> {
             if self.pool_word(p, P_ID).load(Acquire) == 0 {
                 continue;
             }
-            for s in 0..MAX_SLOTS {
-                if self.slot_word(p, s, I_ID).load(Acquire) == 0 {
-                    continue; // cells are freed and reused in any order
-                }
-                units += clear(self.lease(p, s), w, self.bits);
-                clear(self.slot_word(p, s, I_TRIALS), w, self.bits);
-            }
-            // Then the cells it used: a free it began is completed, the last user's leaving
-            // frees (what it held is already cleared above).
-            cells::reclaim(
-                |s| self.slot_word(p, s, I_ID),
-                MAX_SLOTS,
-                w,
-                |s| self.reset_slot(p, s),
-            );
-            cells::reclaim(
-                |k| self.tenant_word(p, k, false),
-                TENANT_OVERFLOW,
-                w,
-                |k| self.tenant_word(p, k, true).store(0, Release),
-            );
-            self.publish_waiting(p, w, 0, 0, None, None);
-            self.publish_turns(p, w, None, None);
-            clear(self.places(p, true), w, self.bits);
-            clear(self.places(p, false), w, self.bits);
+            units += self.forget_worker(p, w);
         }
+        // The pools it used: the last user's leaving frees (and resets) a pool's slot.
+        cells::reclaim(
+            |p| self.pool_word(p, P_ID),
+            MAX_POOLS,
+            w,
+            |p| self.reset_pool(p),
+        );
         cells::reclaim(
             |k| self.key_word(k, K_KEY),
             MAX_KEYS,
@@ -1237,25 +1296,6 @@ pub fn min_opt(a: Option<Millis>, b: Option<Millis>) -> Option<Millis> {
     }
 }
 
-/// Finds the pool cell holding `id` among `n`, claiming the first empty one (by CAS) if none
-/// does. Pool cells are claimed in order and never freed (a pool's name is its identity; a
-/// host has few), so a scan stops at the first empty cell.
-fn claim<'a>(cell: impl Fn(usize) -> &'a AtomicU64, n: usize, id: u64) -> Option<usize> {
-    for k in 0..n {
-        let c = cell(k);
-        match c.load(Acquire) {
-            v if v == id => return Some(k),
-            0 => match c.compare_exchange(0, id, AcqRel, Acquire) {
-                Ok(_) => return Some(k),
-                Err(v) if v == id => return Some(k),
-                Err(_) => continue,
-            },
-            _ => continue,
-        }
-    }
-    None
-}
-
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
@@ -1312,9 +1352,10 @@ mod tests {
     #[test]
     fn slots_are_claimed_once_per_id() {
         let (_, r) = region(2);
-        let p = r.pool_slot(77).unwrap();
-        assert_eq!(r.pool_slot(77), Some(p));
-        assert_ne!(r.pool_slot(78), Some(p));
+        let p = r.join_pool(77, 0).unwrap();
+        assert_eq!(r.join_pool(77, 1), Some(p));
+        assert_eq!(r.find_pool(77), Some(p));
+        assert_ne!(r.join_pool(78, 0), Some(p));
         assert_ne!(
             r.instance_slot(p, 0, 0),
             r.instance_slot(p, 1, 0),
@@ -1329,7 +1370,7 @@ mod tests {
     #[test]
     fn reclaim_frees_exactly_the_dead_workers_units() {
         let (_, r) = region(3);
-        let p = r.pool_slot(1).unwrap();
+        let p = r.join_pool(1, 0).unwrap();
         let s = r.instance_slot(p, 9, 0).unwrap();
         assert_eq!(r.instance_slot(p, 9, 1), Some(s));
         assert!(r.take(p, s, 0, 4) && r.take(p, s, 1, 4) && r.take(p, s, 1, 4));
@@ -1359,7 +1400,7 @@ mod tests {
     #[test]
     fn an_instance_cell_is_freed_and_reset_when_its_last_worker_leaves() {
         let (_, r) = region(2);
-        let p = r.pool_slot(1).unwrap();
+        let p = r.join_pool(1, 0).unwrap();
         let s = r.instance_slot(p, 9, 0).unwrap();
         assert_eq!(r.instance_slot(p, 9, 1), Some(s));
         r.publish_ejection(p, s, 500);

@@ -19,7 +19,7 @@ fn a_zeroed_buffer_cast_to_atomics_is_a_valid_region() {
     };
     let r = Region::init(words, 2).unwrap();
     let again = Region::attach(words).unwrap();
-    let p = r.pool_slot(3).unwrap();
+    let p = r.join_pool(3, 0).unwrap();
     let s = r.instance_slot(p, 4, 0).unwrap();
     assert!(r.take(p, s, 0, 1));
     assert!(!again.take(p, s, 1, 1));

@@ -3,7 +3,8 @@
 
 use std::sync::atomic::AtomicU64;
 
-use gateway_core::shm::{Region, REGION_WORDS};
+use gateway_core::shared::Joins;
+use gateway_core::shm::{Region, MAX_POOLS, MAX_SLOTS, REGION_WORDS};
 use gateway_core::{
     Admit, EventKind, HealthConfig, InstanceState, Outcome, Pool, PoolConfig, Priority,
 };
@@ -521,7 +522,7 @@ fn five_hundred_renames_leave_the_region_bounded() {
             pools[1].submit(b, Priority::High, 0, 0, 0, now),
             Ok(Admit::Granted(_))
         ));
-        let p = r.pool_slot(42).unwrap();
+        let p = r.find_pool(42).unwrap();
         assert!(r.instance_cells_used(p) <= 2, "old and new, no more");
         pools[0].release(t, Outcome::Success, 0, now).unwrap();
         pools[0].release(a, Outcome::Success, 0, now).unwrap();
@@ -551,7 +552,7 @@ fn a_thousand_tenants_leave_the_tables_bounded() {
         worker(r, 0, &[1], PoolConfig::default()),
         worker(r, 1, &[1], PoolConfig::default()),
     ];
-    let p = r.pool_slot(42).unwrap();
+    let p = r.find_pool(42).unwrap();
     let mut now = 0;
     for tenant in 0..1000u32 {
         let w = tenant as usize % 2;
@@ -685,4 +686,92 @@ fn the_earliest_deadline_wins_across_workers() {
         (1, EventKind::Granted(0))
     );
     assert_eq!(a.waiting(), 1);
+}
+
+/// SPEC §12 "bounded and reclaimed" for pools: a reload loop that renames the pool 100 times
+/// (the region holds 32 pools at once; their places used to last the supervisor's life) —
+/// each old pool detaches in both workers once drained and its slot, cells and tenant entries
+/// go back; the last worker's leaving resets the block for the next pool.
+#[test]
+fn a_hundred_pool_renames_leave_the_region_bounded() {
+    let r = region(2);
+    let joins = [Joins::default(), Joins::default()]; // one per worker process
+    let mut old: Vec<Pool> = Vec::new();
+    for name in 1000..1100u64 {
+        let mut pools: Vec<Pool> = (0..2)
+            .map(|w| {
+                let mut p = Pool::new(PoolConfig::default(), 1).unwrap();
+                p.attach_joined(r, &joins[w], name, w).unwrap();
+                p.add_instance_with_id(2, Some(7)).unwrap();
+                p
+            })
+            .collect();
+        for (w, p) in pools.iter_mut().enumerate() {
+            assert_eq!(
+                p.submit(1, Priority::High, w as u32 + 1, 0, 0, name),
+                Ok(Admit::Granted(0))
+            );
+        }
+        // the previous name's pools close, this one's run
+        for mut p in old.drain(..) {
+            p.detach();
+        }
+        let live: Vec<usize> = (0..MAX_POOLS).filter(|&p| r.pool_in_use(p)).collect();
+        assert_eq!(live.len(), 1, "only the current name holds a slot");
+        let p = r.find_pool(name).unwrap();
+        assert_eq!((r.instance_cells_used(p), r.tenant_cells_used(p)), (1, 2));
+        for p in &mut pools {
+            p.release(1, Outcome::Success, 0, name).unwrap();
+        }
+        old = pools;
+    }
+    for mut p in old {
+        p.detach();
+    }
+    assert!((0..MAX_POOLS).all(|p| !r.pool_in_use(p)));
+}
+
+/// A worker holds two pools of one name while a removed one drains beside its re-added
+/// successor: the first to detach leaves nothing the other uses (its attempt still counts
+/// against the cap across workers); the slot goes with the last.
+#[test]
+fn a_detached_pool_leaves_nothing_its_successor_uses() {
+    let r = region(2);
+    let joins = Joins::default();
+    let attach = |w: usize, joins: &Joins| {
+        let mut p = Pool::new(PoolConfig::default(), 1).unwrap();
+        p.attach_joined(r, joins, 42, w).unwrap();
+        p.add_instance_with_id(1, Some(7)).unwrap();
+        p
+    };
+    let (mut old, mut new, mut peer) = (
+        attach(0, &joins),
+        attach(0, &joins),
+        worker(r, 1, &[], PoolConfig::default()),
+    );
+    peer.add_instance_with_id(1, Some(7)).unwrap();
+    old.remove_instance(0).unwrap();
+    assert_eq!(
+        new.submit(1, Priority::High, 0, 0, 0, 1),
+        Ok(Admit::Granted(0))
+    );
+    old.tick(2);
+    old.detach();
+    let p = r.find_pool(42).unwrap();
+    assert_eq!(r.instance_cells_used(p), 1);
+    let held: u64 = (0..MAX_SLOTS).map(|s| r.held(p, s)).sum();
+    assert_eq!(held, 1, "worker 0's unit still counts");
+    assert_eq!(
+        peer.submit(2, Priority::High, 0, 0, 0, 3),
+        Ok(Admit::Queued(Priority::High)),
+        "the cap holds across workers"
+    );
+    let events = new.release(1, Outcome::Success, 0, 4).unwrap();
+    assert!(events.is_empty());
+    assert_eq!(peer.tick(5).len(), 1, "the freed unit goes to the peer");
+    new.detach();
+    assert!(r.pool_in_use(p), "worker 1 still uses it");
+    peer.release(2, Outcome::Success, 0, 6).unwrap();
+    peer.detach();
+    assert!(!r.pool_in_use(p));
 }

@@ -602,7 +602,18 @@ impl Pool {
         pool_id: u64,
         worker: usize,
     ) -> Result<(), CoreErr> {
-        Ok(self.inner.attach(region.inner, pool_id, worker)?)
+        Ok(self
+            .inner
+            .attach_joined(region.inner, &region.joins, pool_id, worker)?)
+    }
+
+    /// SPEC §12 "bounded and reclaimed": the pool closed — it leaves the workers' region (its
+    /// instance cells and tenant entries, and with this process's last pool of its name the
+    /// pool's slot, which the last worker frees for another pool). Idempotent; afterwards
+    /// the pool schedules alone. A pool garbage-collected without it keeps its cells until
+    /// the worker's slot is reclaimed (as a killed worker's).
+    fn detach(&mut self) {
+        self.inner.detach();
     }
 
     #[getter]

@@ -10,6 +10,10 @@ use pyo3::prelude::*;
 #[pyclass(frozen, module = "gateway._core")]
 pub struct Region {
     pub inner: shm::Region<'static>,
+    /// This process's uses of the region's cells, shared by every pool attached through this
+    /// mapping (SPEC §12 "bounded and reclaimed": a worker may hold two pools of one name, a
+    /// removed one draining beside its successor; see `gateway_core::shared::Joins`).
+    pub joins: gateway_core::shared::Joins,
 }
 
 /// SPEC §12 "a region file of the wrong size or without its seals is refused": mapping a file
@@ -96,7 +100,10 @@ impl Region {
             None => shm::Region::attach(words),
         }
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        Ok(Self { inner })
+        Ok(Self {
+            inner,
+            joins: gateway_core::shared::Joins::default(),
+        })
     }
 
     #[getter]
@@ -225,8 +232,9 @@ impl Region {
         Ok(self.inner.bucket_level(slot, tokens, per_minute, now_us))
     }
 
-    /// SPEC §16 what the region's tables hold: (instance cells in use, per pool in use;
-    /// tenant entries in use, likewise; API key entries in use).
+    /// SPEC §16 what the region's tables hold: (instance cells in use, per pool in use — so
+    /// its length is the pools in use; tenant entries in use, likewise; API key entries in
+    /// use).
     fn tables(&self) -> (Vec<usize>, Vec<usize>, usize) {
         let pools: Vec<usize> = (0..shm::MAX_POOLS)
             .filter(|&p| self.inner.pool_in_use(p))
