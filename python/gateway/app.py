@@ -173,6 +173,7 @@ class Gateway:
         #: The public, typed event stream (requests answered, instance changes, probes).
         self.events = Events()
         self.runtime = Runtime(config, self.events, topology.link, clock)
+        self._now_ms = clock.now_ms
         self.config_path = config_path
         #: SPEC §7 drain, from the signal on: /readyz answers 503 (load balancers stop sending)
         #: while requests are still served for `shutdown.drain_delay_ms`.
@@ -596,7 +597,10 @@ class Gateway:
         ex.prompt_tokens = slo.prompt_tokens(data)
         ex.slo_ttft_ms, ex.slo_tpot_ms = ttft, tpot
         if ttft is not None:
-            ex.slo_deadline_ms = int(ex.started * 1000) + ttft
+            # Arrival on the pools' clock (the composition root's; `ex.started` is the
+            # process's monotonic clock, which the real one is).
+            waited_ms = int((time.monotonic() - ex.started) * 1000)
+            ex.slo_deadline_ms = self._now_ms() - waited_ms + ttft
 
     def _meet_objective(self, ex: Exchange, tenant: Tenant) -> None:
         """SPEC §17: "when no instance of the pool, its spill or its fallback is predicted to
