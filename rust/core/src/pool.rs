@@ -959,7 +959,8 @@ impl Pool {
         Ok(self.take_events())
     }
 
-    /// What an ended attempt teaches the model of its instance (and its adaptive limit).
+    /// What an ended attempt teaches the model of its instance (and its adaptive limit):
+    /// SPEC §17 "an online model of TTFT and TPOT learned from the requests it completes".
     ///
     /// - **A stream** taught its TTFT at its first token (`first_token`); at its end it
     ///   teaches TPOT: (end − first token) / (n − 1).

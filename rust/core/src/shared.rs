@@ -52,8 +52,10 @@ struct Deferral {
 /// the pool's slot with its last pool of that name (`Region::leave_pool`).
 ///
 /// One per process and region (the binding keeps it beside its mapping); a pool attached
-/// without one counts alone, as if it were its process's only pool of that name. Locked only
-/// when a pool joins or leaves a cell, never on the scheduling path.
+/// without one counts alone, as if it were its process's only pool of that name. Locked (never
+/// contended: a worker schedules on one thread) only when a pool joins or leaves a cell — on a
+/// request's path only when its tenant's entry is joined or left (`KEEP_TENANTS`), beside the
+/// table scan or CAS that costs anyway.
 #[derive(Clone, Debug, Default)]
 pub struct Joins(Arc<Mutex<HashMap<(usize, usize), Uses>>>);
 
