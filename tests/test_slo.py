@@ -474,12 +474,15 @@ async def test_non_streamed_traffic_alone_places_by_the_model_and_sheds(
 # ---- adaptive concurrency ----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
 async def test_adaptive_concurrency_keeps_the_backend_near_its_knee(
-    mocks: MockFactory, gateway_factory: GatewayFactory
+    mocks: MockFactory, gateway_factory: GatewayFactory, stream: bool
 ) -> None:
     """A backend whose every step slows sharply past 4 running sequences; 40 closed-loop
     clients. A fixed max_concurrency of 40 would run 40 at once; the adaptive limit finds the
-    knee, keeps the rest in the gateway's queue, and no request fails."""
+    knee, keeps the rest in the gateway's queue, and no request fails — whether the clients'
+    answers come whole (the controller's signal: time per token of the whole answer) or as
+    streams (their time per output token)."""
     m = await mocks(engine="h100-7b", knee=4, knee_ms=25.0, default_tokens=24)
     pool = pool_config(m)
     pool["instances"][0]["max_concurrency"] = {"max": 40, "adaptive": True}
@@ -491,9 +494,12 @@ async def test_adaptive_concurrency_keeps_the_backend_near_its_knee(
     async def client_loop(client: openai.AsyncOpenAI) -> None:
         while not stop.is_set():
             try:
-                await client.chat.completions.create(
-                    model="m", messages=[{"role": "user", "content": "loop"}]
-                )
+                if stream:
+                    await _stream(client)
+                else:
+                    await client.chat.completions.create(
+                        model="m", messages=[{"role": "user", "content": "loop"}]
+                    )
             except openai.APIError as exc:
                 failures.append(exc)
 
