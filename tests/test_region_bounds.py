@@ -278,3 +278,37 @@ async def test_reloads_keep_renaming_pools_past_the_old_limit(
                 results = await asyncio.gather(*(gw.chat() for _ in range(6)))
                 assert all(r.status == 200 for r in results), [r.status for r in results]
         await gw.assert_quiet()
+
+
+async def test_a_reload_beyond_the_regions_pools_is_refused_whole(
+    tmp_path: Path, mocks: MockFactory
+) -> None:
+    """With `--workers 2` the region holds 32 pools at once (live plus draining): a reload that
+    would make a 33rd is refused with its reason, like an invalid config (never a 500, never
+    half applied), and the running config keeps serving."""
+    m: MockServer = await mocks()
+    instance = f'      - {{name: i, url: "{m.url}", model: up, max_concurrency: 2}}'
+
+    async with workers(tmp_path, 2, instance) as gw:
+        port = int(gw.url.rsplit(":", 1)[1])
+        lines = [
+            f"listen: {{host: 127.0.0.1, port: {port}}}",
+            "shutdown: {drain_timeout_ms: 5000, drain_delay_ms: 0}",
+            "pools:",
+        ]
+        for k in range(33):
+            lines += [f"  p{k}:", "    instances:", instance.replace("name: i,", f"name: i{k},")]
+        lines += ["models:", "  m: {pool: p0}"]
+        path = tmp_path / "gateway.yaml"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("\n".join(lines) + "\n")
+        os.replace(tmp, path)
+        async with gw.session.post(gw.url + "/admin/reload") as r:
+            body = await r.text()
+            assert r.status != 200 and r.status < 500, (r.status, body)
+            assert "cannot add a pool" in body, body
+        doc = await gw.state()
+        assert len(doc["pools"]) == 1, sorted(doc["pools"])
+        results = await asyncio.gather(*(gw.chat() for _ in range(4)))
+        assert all(r.status == 200 for r in results), [r.status for r in results]
+        await gw.assert_quiet()

@@ -529,6 +529,12 @@ class Pool:
             if info.removed and info.in_flight == 0 and not up.closed:
                 await up.close()
 
+    def abandon(self) -> None:
+        """A pool built by a reload that was then refused: it never served, holds no
+        connection, and leaves the region at once (SPEC §12)."""
+        self._scheduler.close()
+        self._core.detach()
+
     async def close(self) -> None:
         self._scheduler.close()
         self._core.detach()  # SPEC §12: its region cells (the last of its name: its place) go back

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import itertools
 
+from gateway import _core
 from gateway.clock import LOOP_CLOCK, Clock
 from gateway.config import Config
+from gateway.errors import ConfigError
 from gateway.events import Events
 from gateway.pool import Pool
 from gateway.router import Router
@@ -58,15 +60,27 @@ class Runtime:
         ):
             # The HTTP server's protocol factory takes these once, at start.
             notes.append("limits.header_timeout_ms and keepalive_timeout_ms need a restart")
+        # New pools first, before anything changes: with --workers each takes a place in the
+        # shared region, and when it has none free (SPEC §12: its places are reclaimed as
+        # retired pools drain, but they are bounded) the reload is refused whole and the
+        # running config stays — never half applied, never a 500.
+        fresh: dict[str, Pool] = {}
+        try:
+            for name, spec in config.pools.items():
+                if name not in self.pools:
+                    fresh[name] = Pool(name, spec, config, self.events, self._link, self._clock)
+        except _core.GatewayError as exc:
+            for pool in fresh.values():
+                pool.abandon()
+            raise ConfigError("pools", f"cannot add a pool now: {exc}") from exc
         self.config = config
         pools: dict[str, Pool] = {}
         for name, spec in config.pools.items():
-            pool = self.pools.get(name)
-            if pool is None:
-                pool = Pool(name, spec, config, self.events, self._link, self._clock)
+            if name in fresh:
+                pools[name] = fresh[name]
             else:
-                pool.reconfigure(spec, config)
-            pools[name] = pool
+                pools[name] = self.pools[name]
+                pools[name].reconfigure(spec, config)
         for name, pool in self.pools.items():
             if name not in pools:
                 pool.retire()

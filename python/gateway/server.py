@@ -192,7 +192,12 @@ class Server:
             gw.metrics.reloaded(False)
             return False, "turning cluster mode on or off needs a restart", []
         REDACTOR.add(secrets_of(config))
-        notes = gw.runtime.reload(config)
+        try:
+            notes = gw.runtime.reload(config)
+        except ConfigError as exc:  # refused whole (no room for a new pool): nothing changed
+            gw.metrics.reloaded(False)
+            log.error("config reload failed", extra={"fields": {"reason": str(exc)}})
+            return False, str(exc), []
         # The previous ring: unchanged keys keep their RPM/TPM buckets and tenant indexes
         # (queued requests carry them).
         gw.keys = KeyRing(config, previous=gw.keys)
