@@ -223,12 +223,22 @@ layout!(
 
 layout!(
     /// An API key's entry: its key word (`cells.rs`) and its two buckets, each the GCRA
-    /// "theoretical arrival time" in microseconds.
+    /// "theoretical arrival time" in microseconds; then, with `cluster:` (SPEC §13), the
+    /// host's allowance leased from the central bucket, per dimension (requests, tokens): what
+    /// the workers spend (a signed count: usage above an estimate may leave a debt), what they
+    /// spent and were refused since the member last looked, and the central level the member
+    /// last saw (and when, on the system-wide monotonic clock, in µs).
     KeyEntry {
         key: u64,
         rpm: u64,
         tpm: u64,
         _pad: u64,
+        allowance: [u64; 2],
+        used: [u64; 2],
+        refused: [u64; 2],
+        central: [u64; 2],
+        central_at: [u64; 2],
+        _tail: [u64; 2],
     }
 );
 
@@ -286,6 +296,11 @@ const T_GRANTS: usize = word!(TenantEntry, grants);
 const K_KEY: usize = word!(KeyEntry, key);
 const K_RPM: usize = word!(KeyEntry, rpm);
 const K_TPM: usize = word!(KeyEntry, tpm);
+const K_ALLOWANCE: usize = word!(KeyEntry, allowance);
+const K_USED: usize = word!(KeyEntry, used);
+const K_REFUSED: usize = word!(KeyEntry, refused);
+const K_CENTRAL: usize = word!(KeyEntry, central);
+const K_CENTRAL_AT: usize = word!(KeyEntry, central_at);
 
 const WORKERS_AT: usize = word!(Layout, workers);
 const POOLS_AT: usize = word!(Layout, pools);
@@ -1184,6 +1199,10 @@ impl<'a> Region<'a> {
     fn reset_key(&self, k: usize) {
         self.key_word(k, K_RPM).store(0, Release);
         self.key_word(k, K_TPM).store(0, Release);
+        for at in [K_ALLOWANCE, K_USED, K_REFUSED, K_CENTRAL, K_CENTRAL_AT] {
+            self.key_word(k, at).store(0, Release);
+            self.key_word(k, at + 1).store(0, Release);
+        }
     }
 
     /// The entry of API key `id` (a stable hash of its name), joined by worker `w` (claimed
@@ -1276,6 +1295,120 @@ impl<'a> Region<'a> {
         let used_units =
             (u128::from(used) * u128::from(per_minute)).div_ceil(u128::from(MINUTE_US));
         per_minute.saturating_sub(used_units.min(u128::from(u64::MAX)) as u64)
+    }
+}
+
+// ---- SPEC §13 × §12: a key's host allowance, leased from the cluster's central bucket -------
+//
+// One member per host tops the allowance up from Redis (and takes surplus back out); every
+// worker spends it by CAS on its one word, never below zero. Units are the caller's (the
+// gateway counts thousandths of a request or token).
+impl Region<'_> {
+    fn lease_word(&self, k: usize, at: usize, tokens: bool) -> &AtomicU64 {
+        self.key_word(k, at + usize::from(tokens))
+    }
+
+    /// Spends `cost` of key entry `k`'s host allowance if it holds that much (and counts it
+    /// spent); else spends nothing and counts it refused (the member's next chunk follows).
+    pub fn allowance_take(&self, k: usize, tokens: bool, cost: u64) -> bool {
+        let word = self.lease_word(k, K_ALLOWANCE, tokens);
+        let cost_i = i64::try_from(cost).unwrap_or(i64::MAX);
+        let mut cur = word.load(Acquire);
+        loop {
+            let held = cur as i64;
+            if held < cost_i {
+                self.lease_word(k, K_REFUSED, tokens)
+                    .fetch_add(cost, Relaxed);
+                return false;
+            }
+            match word.compare_exchange_weak(cur, (held - cost_i) as u64, AcqRel, Acquire) {
+                Ok(_) => break,
+                Err(v) => cur = v,
+            }
+        }
+        self.lease_word(k, K_USED, tokens).fetch_add(cost, Relaxed);
+        true
+    }
+
+    /// Adds `delta` (a chunk granted, or a settled estimate: may be negative, and may leave a
+    /// debt) to the allowance; `spent` is added to the spending count alike.
+    pub fn allowance_add(&self, k: usize, tokens: bool, delta: i64, spent: i64) {
+        self.lease_word(k, K_ALLOWANCE, tokens)
+            .fetch_add(delta as u64, AcqRel);
+        if spent != 0 {
+            self.lease_word(k, K_USED, tokens)
+                .fetch_add(spent as u64, Relaxed);
+        }
+    }
+
+    /// Takes up to `amount` out of the allowance (surplus given back), never below zero:
+    /// what it took.
+    pub fn allowance_take_upto(&self, k: usize, tokens: bool, amount: u64) -> u64 {
+        let word = self.lease_word(k, K_ALLOWANCE, tokens);
+        let mut cur = word.load(Acquire);
+        loop {
+            let held = (cur as i64).max(0) as u64;
+            let take = held.min(amount);
+            if take == 0 {
+                return 0;
+            }
+            match word.compare_exchange_weak(cur, cur.wrapping_sub(take), AcqRel, Acquire) {
+                Ok(_) => return take,
+                Err(v) => cur = v,
+            }
+        }
+    }
+
+    /// Raises the allowance by `add`, but not past `cap` (never lowers it): the static share
+    /// refilled while Redis is unreachable.
+    pub fn allowance_refill(&self, k: usize, tokens: bool, add: u64, cap: u64) {
+        let word = self.lease_word(k, K_ALLOWANCE, tokens);
+        let add = i64::try_from(add).unwrap_or(i64::MAX);
+        let cap = i64::try_from(cap).unwrap_or(i64::MAX);
+        let mut cur = word.load(Acquire);
+        loop {
+            let held = cur as i64;
+            let new = held.max(held.saturating_add(add).min(cap));
+            if new == held {
+                return;
+            }
+            match word.compare_exchange_weak(cur, new as u64, AcqRel, Acquire) {
+                Ok(_) => return,
+                Err(v) => cur = v,
+            }
+        }
+    }
+
+    /// The allowance held now (negative: a debt).
+    pub fn allowance(&self, k: usize, tokens: bool) -> i64 {
+        self.lease_word(k, K_ALLOWANCE, tokens).load(Acquire) as i64
+    }
+
+    /// What was spent (net of settled estimates) and refused since the last call; both
+    /// counts start again from zero.
+    pub fn allowance_drain(&self, k: usize, tokens: bool) -> (i64, u64) {
+        let used = self.lease_word(k, K_USED, tokens).swap(0, AcqRel) as i64;
+        let refused = self.lease_word(k, K_REFUSED, tokens).swap(0, AcqRel);
+        (used, refused)
+    }
+
+    /// What was refused since the last drain (nothing is reset).
+    pub fn allowance_refused(&self, k: usize, tokens: bool) -> u64 {
+        self.lease_word(k, K_REFUSED, tokens).load(Relaxed)
+    }
+
+    /// The central bucket's level as the member last saw it, and when (µs).
+    pub fn set_central(&self, k: usize, tokens: bool, level: u64, at_us: u64) {
+        self.lease_word(k, K_CENTRAL_AT, tokens)
+            .store(at_us, Release);
+        self.lease_word(k, K_CENTRAL, tokens).store(level, Release);
+    }
+
+    pub fn central(&self, k: usize, tokens: bool) -> (u64, u64) {
+        (
+            self.lease_word(k, K_CENTRAL, tokens).load(Acquire),
+            self.lease_word(k, K_CENTRAL_AT, tokens).load(Acquire),
+        )
     }
 }
 
@@ -1416,6 +1549,48 @@ mod tests {
             (0, 0),
             "and holds nothing of the old one"
         );
+    }
+
+    #[test]
+    fn a_hosts_key_allowance_is_spent_never_below_zero_and_outlives_its_member() {
+        let (_, r) = region(2);
+        let k = r.key_slot(77, 0).unwrap();
+        assert_eq!(r.key_slot(77, 1), Some(k));
+        assert!(
+            !r.allowance_take(k, false, 1000),
+            "nothing held before the first chunk"
+        );
+        r.allowance_add(k, false, 2500, 0);
+        assert!(r.allowance_take(k, false, 1000));
+        assert!(r.allowance_take(k, false, 1000));
+        assert!(
+            !r.allowance_take(k, false, 1000),
+            "500 left: never below zero"
+        );
+        assert_eq!(r.allowance(k, false), 500);
+        assert_eq!(r.allowance_refused(k, false), 2000);
+        assert_eq!(r.allowance_drain(k, false), (2000, 2000));
+        assert_eq!(r.allowance_drain(k, false), (0, 0));
+        // Usage above an estimate leaves a debt; surplus is taken back only as far as held.
+        r.allowance_add(k, true, -300, 300);
+        assert_eq!(r.allowance(k, true), -300);
+        assert_eq!(r.allowance_take_upto(k, true, 100), 0);
+        r.allowance_refill(k, true, 1000, 400);
+        assert_eq!(r.allowance(k, true), 400, "refilled up to the cap");
+        r.allowance_refill(k, true, 1000, 100);
+        assert_eq!(r.allowance(k, true), 400, "a refill never lowers");
+        assert_eq!(r.allowance_take_upto(k, true, 1000), 400);
+        r.set_central(k, false, 7000, 123);
+        assert_eq!(r.central(k, false), (7000, 123));
+        // The member role moving is another worker reading the same words; the entry is reset
+        // only when its last worker leaves.
+        assert!(!r.leave_key(k, 0));
+        assert_eq!(r.allowance(k, false), 500);
+        assert!(r.leave_key(k, 1));
+        let again = r.key_slot(78, 0).unwrap();
+        assert_eq!(again, k);
+        assert_eq!(r.allowance(again, false), 0);
+        assert_eq!(r.central(again, false), (0, 0));
     }
 
     #[test]

@@ -232,6 +232,61 @@ impl Region {
         Ok(self.inner.bucket_level(slot, tokens, per_minute, now_us))
     }
 
+    /// SPEC §13 × §12: spends `cost` of key entry `slot`'s host allowance (requests, or
+    /// `tokens`) if held, else counts it refused: whether it was spent.
+    fn allowance_take(&self, slot: usize, tokens: bool, cost: u64) -> PyResult<bool> {
+        Self::check_key(slot)?;
+        Ok(self.inner.allowance_take(slot, tokens, cost))
+    }
+
+    /// Adds `delta` (may be negative) to the allowance and `spent` to the spending count.
+    fn allowance_add(&self, slot: usize, tokens: bool, delta: i64, spent: i64) -> PyResult<()> {
+        Self::check_key(slot)?;
+        self.inner.allowance_add(slot, tokens, delta, spent);
+        Ok(())
+    }
+
+    /// Takes up to `amount` out of the allowance (never below zero): what it took.
+    fn allowance_take_upto(&self, slot: usize, tokens: bool, amount: u64) -> PyResult<u64> {
+        Self::check_key(slot)?;
+        Ok(self.inner.allowance_take_upto(slot, tokens, amount))
+    }
+
+    /// Raises the allowance by `add`, not past `cap` (never lowers it).
+    fn allowance_refill(&self, slot: usize, tokens: bool, add: u64, cap: u64) -> PyResult<()> {
+        Self::check_key(slot)?;
+        self.inner.allowance_refill(slot, tokens, add, cap);
+        Ok(())
+    }
+
+    fn allowance(&self, slot: usize, tokens: bool) -> PyResult<i64> {
+        Self::check_key(slot)?;
+        Ok(self.inner.allowance(slot, tokens))
+    }
+
+    /// (spent, refused) since the last drain; both start again from zero.
+    fn allowance_drain(&self, slot: usize, tokens: bool) -> PyResult<(i64, u64)> {
+        Self::check_key(slot)?;
+        Ok(self.inner.allowance_drain(slot, tokens))
+    }
+
+    fn allowance_refused(&self, slot: usize, tokens: bool) -> PyResult<u64> {
+        Self::check_key(slot)?;
+        Ok(self.inner.allowance_refused(slot, tokens))
+    }
+
+    fn set_central(&self, slot: usize, tokens: bool, level: u64, at_us: u64) -> PyResult<()> {
+        Self::check_key(slot)?;
+        self.inner.set_central(slot, tokens, level, at_us);
+        Ok(())
+    }
+
+    /// The central level the member last saw, and when (µs, monotonic).
+    fn central(&self, slot: usize, tokens: bool) -> PyResult<(u64, u64)> {
+        Self::check_key(slot)?;
+        Ok(self.inner.central(slot, tokens))
+    }
+
     /// SPEC §16 what the region's tables hold: (instance cells in use, per pool in use — so
     /// its length is the pools in use; tenant entries in use, likewise; API key entries in
     /// use).
