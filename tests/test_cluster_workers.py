@@ -399,3 +399,98 @@ async def test_a_reload_reaches_every_worker_of_a_host(
     assert not any("cluster" in note for note in answer.get("notes", [])), answer
     assert second.stats.completed > 0
     assert list(records) == [host_id], records
+
+
+# ---- per-key limits: the host's allowance, one Redis connection per host --------------------
+
+RPM = 10
+
+
+async def _gateway_connections(redis: RedisServer) -> dict[str, int]:
+    """Redis's own count of its clients per name, the gateway's (`gateway:<replica>`) only."""
+    async with redis.client() as r:
+        clients = await r.client_list()
+    out: dict[str, int] = {}
+    for c in clients:
+        name = c.get("name", "")
+        if name.startswith("gateway:"):
+            out[name] = out.get(name, 0) + 1
+    return out
+
+
+async def _limited(session: aiohttp.ClientSession, rep: Replica) -> tuple[int, dict[str, str]]:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"Authorization": "Bearer sk-limited-0001"}
+    try:
+        async with session.post(
+            rep.url + "/v1/chat/completions", json=body, headers=headers
+        ) as resp:
+            await resp.read()
+            return resp.status, {k.lower(): v for k, v in resp.headers.items()}
+    except aiohttp.ClientError:
+        return 0, {}  # a connection the killed worker held: no answer
+
+
+async def test_a_keys_rpm_holds_across_hosts_of_workers_with_one_redis_connection_each(
+    tmp_path: Path,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """SPEC §12 × §13: a key's limit once per gateway — two hosts of `--workers 2` on one
+    Redis, one key with `rpm: 10`, 30 requests on fresh connections spread over both hosts and
+    all four workers, h1's member killed (-9) while the second ten are sent: at most 10 succeed
+    (plus
+    the central bucket's refill while the test runs: 10/60 a second, so one more only if it
+    takes 6 s), the rest answer 429 with Retry-After and the limit headers; and Redis sees one
+    connection per host (named after its replica, before and after the kill: the workers that
+    are not the member never open one). At rest nothing is in flight or queued."""
+    mock = MockServer(MockBehavior(latency_ms=5))
+    await mock.start()
+    config = _small_config(redis_server.url, mock)
+    config["auth"]["keys"].append({"key": "sk-limited-0001", "name": "limited", "rpm": RPM})
+    hosts = [Replica(tmp_path, f"h{i + 1}", config, workers=2) for i in range(2)]
+    answers: list[tuple[int, dict[str, str]]] = []
+    async with _fresh_connections() as session:
+        try:
+            for rep in hosts:
+                rep.start()
+            for rep in hosts:
+                await rep.wait_ready(session)
+            await until(lambda: _both_leased(redis_server), 5, "both hosts leased")
+            before = await _gateway_connections(redis_server)
+            members = await _members(session, hosts[0])
+            assert len(members) == 1 and None not in members, members
+            (victim,) = members
+            started = time.monotonic()
+            answers += await asyncio.gather(*(_limited(session, hosts[i % 2]) for i in range(10)))
+            during = [asyncio.create_task(_limited(session, hosts[i % 2])) for i in range(10)]
+            os.kill(victim, signal.SIGKILL)
+            answers += await asyncio.gather(*during)
+
+            async def moved() -> bool:
+                pids = await _members(session, hosts[0])
+                return len(pids) == 1 and victim not in pids and None not in pids
+
+            await until(moved, 5, "the member role came back")
+            answers += await asyncio.gather(*(_limited(session, hosts[i % 2]) for i in range(10)))
+            elapsed = time.monotonic() - started
+            after = await _gateway_connections(redis_server)
+            await until(lambda: _quiet(session, hosts), 10, "quiet")
+        finally:
+            for rep in hosts:
+                rep.stop()
+            await mock.stop()
+    statuses = [s for s, _ in answers]
+    admitted = statuses.count(200)
+    allowed = RPM + RPM / 60 * elapsed  # the central bucket full at the start, then its refill
+    # Requests on the killed worker's connections get no answer (0): any of them that was
+    # admitted spent the host's allowance all the same, so counting them out only weakens
+    # the bound, and there are at most the five sent at h1 during the kill.
+    assert set(statuses) <= {200, 429, 0} and statuses.count(0) <= 5, statuses
+    assert admitted <= allowed, f"{admitted} admitted in {elapsed:.1f} s, limit {allowed:.2f}"
+    assert admitted >= 5, f"only {admitted} admitted: the hosts' allowances went unused"
+    limited = [h for s, h in answers if s == 429]
+    assert limited and all("retry-after" in h for h in limited)
+    assert all(h["x-ratelimit-limit-requests"] == str(RPM) for s, h in answers if s)
+    assert before == {"gateway:h1": 1, "gateway:h2": 1}, before
+    assert after == {"gateway:h1": 1, "gateway:h2": 1}, after
+    print(f"{admitted} of 30 admitted in {elapsed:.2f} s; Redis connections {before} / {after}")

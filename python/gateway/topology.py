@@ -182,7 +182,7 @@ class Topology:
             return None
         from gateway.cluster.host import HostSeat  # SPEC §13: only with a cluster section
 
-        return HostSeat(self.link.directory, self.link.slot, self.link.workers)
+        return HostSeat(self.link.directory, self.link.slot, self.link.workers, self.link.region)
 
     @property
     def metrics_dir(self) -> str | None:

@@ -47,9 +47,12 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
+
+if TYPE_CHECKING:
+    from gateway import _core
 
 __all__ = ["HostSeat"]
 
@@ -63,9 +66,13 @@ _MAX_REPORT_BYTES = 1 << 16
 class HostSeat:
     """One worker's seat at its host's cluster membership (see the module doc)."""
 
-    def __init__(self, directory: str, slot: int, workers: int) -> None:
+    def __init__(
+        self, directory: str, slot: int, workers: int, region: _core.Region | None = None
+    ) -> None:
         self.slot = slot
         self.workers = workers
+        #: The host's region: where the host's per-key allowances live (SPEC §12 × §13).
+        self.region = region
         self._dir = directory
         self._lock_path = os.path.join(directory, _LOCK)
         self._published = os.path.join(directory, _PUBLISHED)

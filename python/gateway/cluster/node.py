@@ -16,9 +16,11 @@ runs a `ClusterNode` with the host's `replica_id`, and the one holding the host'
 (`host.HostSeat`) runs the lease syncs — its pool snapshots are already the host's queues and
 in-flight counts (the region), plus what the others hold waiting for a lease — and publishes
 the leases it applied; the others apply them each tick (`follow`) and show its cluster block.
-Per-key limits stay chunks leased per process (each worker takes its own chunk from the
-central bucket: never over the limit, under-use bounded by the chunks held) until the per-key
-limits move into the region; then the member takes the host's chunk.
+Per-key limits are the host's too (SPEC §12: "one Redis connection per host does the syncing,
+not one per worker"): each key's allowance lives in the region, every worker spends it, and the
+member alone tops it up from the central bucket (`ratelimit.HostLeasedLimits`) — a worker that
+is not the member never opens a Redis connection (unless the region's key table is full: such
+a key keeps a per-worker chunk).
 """
 
 from __future__ import annotations
@@ -118,7 +120,14 @@ class ClusterNode:
         self.pools: dict[str, PoolLease] = {}
         self.hints = HintTracker()
         self._wake = asyncio.Event()
-        self.rates = RateSync(RateShare(renew_ms / 1000, lease_ms / 1000, self._wake.set))
+        region = host.region if host is not None else None
+        self.rates = RateSync(
+            RateShare(renew_ms / 1000, lease_ms / 1000, self._wake.set),
+            region,
+            host.slot if host is not None else 0,
+            # A follower's refusals wake nobody here: the member looks at every tick (`follow`).
+            RateShare(renew_ms / 1000, lease_ms / 1000, self._wake.set),
+        )
         self.redis_up = False
         self.failures = 0
         self.last_error: str | None = None
@@ -218,8 +227,9 @@ class ClusterNode:
     async def sync_once(self) -> None:
         host = self.host
         if host is not None and not host.try_lead():
-            # SPEC §12 × §13: another worker is the host's member; this one's own chunks only.
-            await self._sync_rates()
+            # SPEC §12 × §13: another worker is the host's member (and the host's allowances
+            # its business); this one's own chunks only, if any (a key table that was full).
+            await self._sync_rates(member=False)
             self._follow_rates()
             return
         if host is not None:
@@ -235,6 +245,7 @@ class ClusterNode:
             jobs.append(self._leave(name))  # a pool a reload removed
         await asyncio.gather(*jobs)
         self._update_static()
+        self.rates.refill_hosted()  # SPEC §13 Redis unreachable: the host's static share
         if host is not None:
             self._publish(host)
 
@@ -283,12 +294,12 @@ class ClusterNode:
             self.hint_count.labels("received").inc()
             self._confirm(name, instance)
 
-    async def _sync_rates(self) -> None:
-        if not self.rates.limits:
+    async def _sync_rates(self, member: bool = True) -> None:
+        if not self.rates.limits and not (member and self.rates.hosted):
             return
         sent = now_ms()
         try:
-            await self.rates.sync(self.redis)
+            await self.rates.sync(self.redis, member=member)
         except RedisUnavailable as exc:
             self._failed("rate", exc)
             return
@@ -327,8 +338,11 @@ class ClusterNode:
         self._rates_split(max(counts) if counts else None, max(live) if live else 1)
 
     def _rates_split(self, static: int | None, replicas: int) -> None:
-        # Each worker of a host holds its own chunks: a host's static share of a key's rate
-        # is split among its workers, and so is its part of an idle central bucket.
+        # A key's allowance in the region is the host's: its static share is 1/N of the hosts.
+        self.rates.set_host_static(static, replicas)
+        # A worker holding its own chunks (a key the region's table could not hold): a host's
+        # static share of a key's rate is split among its workers, and so is its part of an
+        # idle central bucket.
         workers = self.host.workers if self.host is not None else 1
         self.rates.set_static(static * workers if static else None)
         self.rates.share.replicas = replicas * workers
@@ -345,6 +359,7 @@ class ClusterNode:
         state (its times are on the host's one monotonic clock), so a role that moved mid-lease
         or on the static share goes on as if nothing happened."""
         self._leading = True
+        self.rates.restamp_hosted()  # the former member's static refills reached until now
         doc = self._doc if self._doc is not None else host.read()
         seq = doc.get("seq") if isinstance(doc, dict) else None
         self._seq = max(self._seq, seq if isinstance(seq, int) else 0)
@@ -407,6 +422,8 @@ class ClusterNode:
         pools = self.running.pools
         if not host.member:
             self._apply_published(host)
+        elif not self._wake.is_set() and self.rates.refused_hosted():
+            self._wake.set()  # a worker ran out of a key's allowance: the next chunk, sooner
         # After applying: the member counts a shrink as done once every worker reported it.
         host.report({name: p.lease_waiting for name, p in pools.items()}, self._seq)
 

@@ -21,6 +21,16 @@ sync period. TPM reserves the estimate at admission and settles with `usage`, as
 Redis unreachable: each replica refills its own allowance at `rate / N_last` (the static
 share of SPEC §13, as for slots), capped at `limit / N_last`; back on Redis it returns what it
 holds beyond its demand.
+
+With `--workers N` (SPEC §12 × §13: "one Redis connection per host does the syncing, not one
+per worker"; per-key limits "once per gateway") the replica is the host, and so is the
+allowance: `HostLeasedLimits` keeps it in the key's entry of the workers' region (per dimension,
+in thousandths). Every worker spends it by CAS, never below zero, and counts there what it spent
+and was refused; only the host's member (`host.HostSeat`) tops it up from the central bucket,
+sizing the chunk from those counts exactly as one replica does, gives surplus back, and on the
+static share refills it at `rate / N_last` hosts. The allowance outlives the member: when the
+role moves (a member killed with `kill -9`), the next one continues from it — what the dead one
+took from Redis but never added is under-use, never excess.
 """
 
 from __future__ import annotations
@@ -31,13 +41,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gateway.limits import KeyLimits, RateLimited, _Bucket, _reset_text
+from gateway.limits import KeyLimits, RateLimited, _Bucket, _reset_text, key_id
 
 if TYPE_CHECKING:
+    from gateway import _core
     from gateway.auth import KeyRing
     from gateway.cluster.redis_state import RedisState
 
-__all__ = ["LeasedLimits", "RateShare", "RateSync"]
+__all__ = ["HostLeasedLimits", "LeasedLimits", "RateShare", "RateSync"]
+
+#: The region counts a host's allowance in thousandths of a request or token.
+_SCALE = 1000
 
 
 @dataclass(slots=True)
@@ -207,34 +221,218 @@ class LeasedLimits(KeyLimits):
         }
 
 
+class HostLeasedLimits(KeyLimits):
+    """A key's limits spent from its host's allowance in the region (see the module doc):
+    `KeyLimits`' interface for the request path of every worker, `exchange`/`settle`/`refill`
+    for the host's member."""
+
+    def __init__(
+        self,
+        name: str,
+        rpm: int | None,
+        tpm: int | None,
+        share: RateShare,
+        region: _core.Region,
+        entry: int,
+    ) -> None:
+        super().__init__(rpm, tpm)
+        self.name = name
+        self.entry = entry
+        self._share = share
+        self._region = region
+        #: (suffix, tokens?, limit) per dimension configured.
+        self._dims = [(s, t, lim) for s, t, lim in (("r", False, rpm), ("t", True, tpm)) if lim]
+        self._stamp = time.monotonic()  # the member's last static refill
+
+    # ---- the request path of every worker (no I/O) -----------------------------------------
+
+    def admit(self, estimate: int) -> tuple[int, dict[str, str]]:
+        now = time.monotonic()
+        region, k = self._region, self.entry
+        if self.tpm:
+            estimate = min(estimate, self.tpm)
+        if self.rpm and not region.allowance_take(k, False, _SCALE):
+            self._share.nudge()
+            raise RateLimited(
+                "requests", self._wait(False, self.rpm, 1, now), self._headers_at(now)
+            )
+        if self.tpm and not region.allowance_take(k, True, estimate * _SCALE):
+            if self.rpm:  # nothing is charged for a refused request
+                region.allowance_add(k, False, _SCALE, -_SCALE)
+            self._share.nudge()
+            raise RateLimited(
+                "tokens", self._wait(True, self.tpm, estimate, now), self._headers_at(now)
+            )
+        return estimate, self._headers_at(now)
+
+    def reconcile(self, charged: int, actual: int | None) -> None:
+        if not self.tpm or actual is None or actual == charged:
+            return
+        # Usage above the estimate may leave a debt the next chunks pay (as one replica's).
+        back = (charged - actual) * _SCALE
+        self._region.allowance_add(self.entry, True, back, -back)
+
+    def _central_now(self, tokens: bool, limit: int, now: float) -> float:
+        if self._share.static_replicas:
+            return 0.0
+        level, at_us = self._region.central(self.entry, tokens)
+        if not at_us:
+            return float(limit)  # never synced: a missing central bucket is a full one
+        grown = level / _SCALE + max(0.0, now - at_us / 1e6) * limit / 60
+        return min(float(limit), grown)
+
+    def _wait(self, tokens: bool, limit: int, need: float, now: float) -> float:
+        """Seconds until `need` exists anywhere (here or centrally), at least one sync."""
+        static = self._share.static_replicas
+        have = self._region.allowance(self.entry, tokens) / _SCALE
+        have += self._central_now(tokens, limit, now)
+        return max(self._share.interval_s, (need - have) * 60 / (limit / (static or 1)))
+
+    def _headers_at(self, now: float) -> dict[str, str]:
+        h: dict[str, str] = {}
+        for _, tokens, limit in self._dims:
+            name = "tokens" if tokens else "requests"
+            held = self._region.allowance(self.entry, tokens) / _SCALE
+            left = min(limit, max(0.0, held + self._central_now(tokens, limit, now)))
+            h[f"x-ratelimit-limit-{name}"] = str(limit)
+            h[f"x-ratelimit-remaining-{name}"] = str(math.floor(left))
+            h[f"x-ratelimit-reset-{name}"] = _reset_text((limit - left) * 60 / limit)
+        return h
+
+    # ---- the host member's side ------------------------------------------------------------
+
+    def refused(self) -> bool:
+        """Whether a worker was refused since the member's last exchange."""
+        return any(self._region.allowance_refused(self.entry, t) for _, t, _ in self._dims)
+
+    def restamp(self, now: float) -> None:
+        self._stamp = now
+
+    def refill(self, now: float) -> None:
+        """Redis unreachable: the host's 1/N of the rate (N: hosts last seen), refilled into
+        its allowance, capped at 1/N of the limit."""
+        n = self._share.static_replicas or 1
+        elapsed, self._stamp = max(0.0, now - self._stamp), now
+        for _, tokens, limit in self._dims:
+            add = int(elapsed * limit / n / 60 * _SCALE)
+            self._region.allowance_refill(self.entry, tokens, add, int(limit / n * _SCALE))
+
+    def exchange(self, elapsed_s: float) -> list[tuple[str, int, float]]:
+        """As `LeasedLimits.exchange`, for the host: its spending and refusals are the counts
+        every worker left in the region since the last exchange."""
+        out: list[tuple[str, int, float]] = []
+        share, region, k = self._share, self._region, self.entry
+        for suffix, tokens, limit in self._dims:
+            used, refused = region.allowance_drain(k, tokens)
+            spent_rate = max(0, used) / _SCALE / max(elapsed_s, 1e-3)
+            level, at_us = region.central(k, tokens)
+            central = level / _SCALE if at_us else float(limit)
+            standing = max(limit / 60 * share.standing_s, central / 2 / share.replicas)
+            desired = min(
+                limit, max(standing, spent_rate * 2 * share.interval_s) + refused / _SCALE
+            )
+            have = region.allowance(k, tokens) / _SCALE
+            delta = 0.0
+            if have < desired:
+                delta = desired - have
+            elif have > 2 * desired:
+                # Given back from the region first: a worker can no longer spend it.
+                delta = -region.allowance_take_upto(k, tokens, int((have - desired) * _SCALE))
+                delta /= _SCALE
+            out.append((f"{self.name}|{suffix}", limit, round(delta, 6)))
+        return out
+
+    def settle(self, results: list[Any], now: float) -> None:
+        """The script's `[granted, central level]` per dimension, in `exchange`'s order."""
+        at_us = int(now * 1e6)
+        for (_, tokens, _), (granted, central) in zip(self._dims, results, strict=True):
+            got = int(float(granted) * _SCALE)
+            if got:
+                self._region.allowance_add(self.entry, tokens, got, 0)
+            self._region.set_central(
+                self.entry, tokens, max(0, int(float(central) * _SCALE)), at_us
+            )
+
+    def view(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            ("tokens" if tokens else "requests"): {
+                "limit_per_minute": limit,
+                "allowance": round(self._region.allowance(self.entry, tokens) / _SCALE, 3),
+                "central": round(self._central_now(tokens, limit, now), 3),
+                "host": True,
+            }
+            for _, tokens, limit in self._dims
+        }
+
+
 @dataclass(slots=True)
 class RateSync:
-    """Every leased limit of the replica, and their one script call per sync."""
+    """Every leased limit of the replica, and their one script call per sync. With a region
+    (`--workers N`, SPEC §12 × §13) a key's allowance is its host's (`hosted`), synced only by
+    the host's member; a key the region's table cannot hold keeps a per-worker allowance
+    (`limits`, synced by each worker: the one case a worker other than the member talks to
+    Redis)."""
 
     share: RateShare
+    #: The region and this worker's slot in it (None: one process).
+    region: _core.Region | None = None
+    slot: int = 0
+    #: What the host's allowances share (the host is the replica: static 1/N of hosts).
+    host_share: RateShare | None = None
     limits: dict[str, LeasedLimits] = field(default_factory=dict)
+    hosted: dict[str, HostLeasedLimits] = field(default_factory=dict)
     _last: float = field(default_factory=time.monotonic)
 
     def adopt(self, ring: KeyRing) -> None:
         """Turns the ring's limited keys into leased ones (right after the ring is built, before
         any request can use it)."""
         current: dict[str, LeasedLimits] = {}
+        hosted: dict[str, HostLeasedLimits] = {}
         for tenant in ring.tenants:
             limits = tenant.limits
             if limits is None:
                 continue
-            if not isinstance(limits, LeasedLimits):
-                limits = LeasedLimits(tenant.name, limits.rpm, limits.tpm, self.share)
-                tenant.limits = limits
-            current[tenant.name] = limits
-        self.limits = current
+            if isinstance(limits, HostLeasedLimits):
+                hosted[tenant.name] = limits
+                continue
+            if isinstance(limits, LeasedLimits):
+                current[tenant.name] = limits
+                continue
+            host = self._hosted(tenant.name, limits.rpm, limits.tpm)
+            if host is not None:
+                tenant.limits = hosted[tenant.name] = host
+                continue
+            limits = LeasedLimits(tenant.name, limits.rpm, limits.tpm, self.share)
+            tenant.limits = current[tenant.name] = limits
+        if self.region is not None:
+            # SPEC §16: the entries of keys this worker no longer has are left (the last
+            # worker to leave one frees it).
+            for name, old in self.hosted.items():
+                if name not in hosted:
+                    self.region.leave_key(old.entry, self.slot)
+        self.limits, self.hosted = current, hosted
 
-    async def sync(self, redis: RedisState) -> None:
-        if not self.limits:
+    def _hosted(self, name: str, rpm: int | None, tpm: int | None) -> HostLeasedLimits | None:
+        region, share = self.region, self.host_share
+        if region is None or share is None:
+            return None
+        old = self.hosted.get(name)
+        entry = old.entry if old is not None else region.key_slot(key_id(name), self.slot)
+        if entry is None:
+            return None  # the table is full: this worker's own chunks
+        return HostLeasedLimits(name, rpm, tpm, share, region, entry)
+
+    async def sync(self, redis: RedisState, *, member: bool = True) -> None:
+        """One script call for this worker's own leased keys and, if it is its host's member
+        (or one process), the host's."""
+        hosted: list[HostLeasedLimits] = list(self.hosted.values()) if member else []
+        mine: list[LeasedLimits | HostLeasedLimits] = [*self.limits.values(), *hosted]
+        if not mine:
             return
         now = time.monotonic()
         elapsed, self._last = now - self._last, now
-        plan = [(lim, lim.exchange(elapsed)) for lim in self.limits.values()]
+        plan = [(lim, lim.exchange(elapsed)) for lim in mine]
         reply = await redis.rate_sync([e for _, entries in plan for e in entries])
         results = reply.get("r")
         flat = results if isinstance(results, list) else []
@@ -246,6 +444,24 @@ class RateSync:
             lim.settle(flat[i : i + len(entries)], at)
             i += len(entries)
 
+    def refill_hosted(self) -> None:
+        """The member, Redis unreachable: the host's static share into its allowances."""
+        if self.host_share is None or not self.host_share.static_replicas:
+            return
+        now = time.monotonic()
+        for lim in self.hosted.values():
+            lim.refill(now)
+
+    def restamp_hosted(self) -> None:
+        """A worker just became its host's member: its refills start now (the former member
+        refilled up to now)."""
+        now = time.monotonic()
+        for lim in self.hosted.values():
+            lim.restamp(now)
+
+    def refused_hosted(self) -> bool:
+        return any(lim.refused() for lim in self.hosted.values())
+
     def set_static(self, replicas: int | None) -> None:
         """Redis unreachable (`replicas` = the last known count) or back (`None`)."""
         if replicas == self.share.static_replicas:
@@ -255,5 +471,17 @@ class RateSync:
         for lim in self.limits.values():
             lim.restamp(now)
 
+    def set_host_static(self, hosts: int | None, replicas: int) -> None:
+        """As `set_static`, for the host's allowances (`hosts`: the replicas are hosts)."""
+        share = self.host_share
+        if share is None:
+            return
+        share.replicas = replicas
+        if hosts != share.static_replicas:
+            share.static_replicas = hosts
+            self.restamp_hosted()
+
     def view(self) -> Mapping[str, Any]:
-        return {name: lim.view() for name, lim in self.limits.items()}
+        out = {name: lim.view() for name, lim in self.limits.items()}
+        out.update((name, lim.view()) for name, lim in self.hosted.items())
+        return out

@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 from redis._parsers import _AsyncRESP2Parser
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError, InvalidResponse, RedisError
@@ -147,22 +147,26 @@ def _json_object(raw: Any, what: str) -> dict[str, Any]:
 
 
 class RedisState:
-    """The lease and rate-limit scripts over one connection pool."""
+    """The lease and rate-limit scripts over one connection."""
 
     def __init__(self, url: str, *, replica: str, timeout_ms: int) -> None:
         timeout = timeout_ms / 1000
-        self.client: Redis = Redis.from_url(
+        # SPEC §12 "one Redis connection per host does the syncing": one connection, which
+        # a sync's concurrent calls take in turn (a call waits for it at most its timeout).
+        pool = BlockingConnectionPool.from_url(
             url,
+            max_connections=1,
+            timeout=timeout,
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
-            max_connections=64,
             client_name=f"gateway:{replica}",
             parser_class=BoundedParser,
             # Push notifications need RESP3 (and hiredis or its parser): not with this one.
             maint_notifications_config=MaintNotificationsConfig(enabled=False),
         )
+        self.client: Redis = Redis.from_pool(pool)
         self._lease = self.client.register_script(LEASE_SYNC)
         self._rate = self.client.register_script(RATE_SYNC)
 
