@@ -34,7 +34,7 @@ i.e. with the request itself already counted in flight — conservative by one),
 instance's own MAE and coverage from `/admin/state`. For (c), each instance's adaptive
 `concurrency_limit` over the run (sampled from `/admin/state` every 0.5 s).
 
-    .venv/bin/python benches/slo.py             # ~6 min
+    .venv/bin/python benches/slo.py             # ~5 min
     .venv/bin/python benches/slo.py --quick     # ~2 min smoke run (short cells)
     .venv/bin/python benches/slo.py --seed 2 --duration 20 --configs a,b
 """
