@@ -965,14 +965,17 @@ impl Pool {
     /// - **A stream** taught its TTFT at its first token (`first_token`); at its end it
     ///   teaches TPOT: (end − first token) / (n − 1).
     /// - **A non-streamed answer** (issue 22) shows its client the first token with the whole
-    ///   answer, so for that client the time to first token *is* the total time. It teaches
-    ///   TTFT with y = total − (n − 1) · TPOT, TPOT the model's mean at the grant's features
-    ///   once streams warmed it (then y is the prefill and queueing part, comparable with a
-    ///   stream's TTFT), else 0 (with non-streamed traffic only, the whole time is learnt as
-    ///   TTFT: what those clients wait for, and what `predicted`, `attainable` and shedding
-    ///   then go by). It teaches TPOT nothing: its TPOT was (total − predicted TTFT) / (n − 1),
-    ///   a TTFT model trained on streams subtracted from it — circular once TTFT learns from
-    ///   non-streamed answers too. (A joint regression total = θ·x + n·φ·z would learn both
+    ///   answer, so for that client the time to first token *is* the total time. While the
+    ///   instance has no recent streams (its TPOT model, which only streams teach, holds
+    ///   fewer than `MIN_SAMPLES` effective samples) it teaches TTFT with y = total: with
+    ///   non-streamed traffic the whole time is what those clients wait for, and what
+    ///   `predicted`, `attainable` and shedding then go by. While streams teach TTFT directly
+    ///   it teaches TTFT nothing: y = total − (n − 1) · TPOT (the first version) carried the
+    ///   decode's error times n − 1 into TTFT — on the SLO bench's mixed traffic (streamed
+    ///   realtime, non-streamed batch of hundreds of tokens, whose TPOT under load is not the
+    ///   streams' mean) the p90 TTFT came out 2–15× above what requests took. It teaches TPOT
+    ///   nothing either: its TPOT was (total − predicted TTFT) / (n − 1), circular once TTFT
+    ///   learns from non-streamed answers. (A joint regression total = θ·x + n·φ·z would learn both
     ///   from one answer, but with n, the answer's length, a factor of every TPOT feature the
     ///   two are told apart only by the spread of n, which a chat workload does not promise.)
     /// - **The adaptive controller** takes a congestion sample from every success: a stream's
@@ -1000,14 +1003,10 @@ impl Pool {
         let at_grant = s.features();
         let total = now.saturating_sub(s.at) as f64;
         let congestion = if s.first == 0 {
-            // Non-streamed: TTFT = total − (n − 1) · TPOT (see above).
-            let per_token = if model.latency.tpot.warmed() {
-                model.latency.mean(&at_grant).1
-            } else {
-                0.0
-            };
-            let ttft = (total - f64::from(output_tokens - 1) * per_token).max(0.0);
-            model.latency.observe_ttft(&at_grant, ttft, now);
+            // Non-streamed: TTFT only while no streams teach it (see above).
+            if model.latency.tpot.effective(now) < crate::latency::MIN_SAMPLES {
+                model.latency.observe_ttft(&at_grant, total, now);
+            }
             total / f64::from(output_tokens)
         } else {
             if output_tokens < 2 {

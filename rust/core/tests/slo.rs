@@ -380,24 +380,38 @@ fn non_streamed_traffic_alone_calibrates_and_places() {
     assert!(p.attainable(Priority::High, now + 100, 500, now) > 0);
 }
 
-/// Once streams warmed TPOT, a non-streamed answer teaches TTFT its total minus (n − 1) mean
-/// TPOTs — the same quantity a stream's first token measures — and TPOT nothing.
+/// Mixed traffic: streams teach TTFT directly, and the non-streamed answers between them
+/// teach it nothing — even when their decode is slower than the streams' (long batch answers
+/// under load), which y = total − (n − 1) · TPOT carried into TTFT n − 1 times (the SLO
+/// bench's p90 TTFT came out 2–15× too high). Nor do they teach TPOT.
 #[test]
-fn a_non_streamed_answer_after_streams_teaches_ttft_without_its_decode() {
+fn non_streamed_answers_beside_streams_leave_ttft_to_the_streams() {
     let mut p = predicted_pool(1);
-    let (_, now) = sequential_in(&mut p, vec![1.0], 200, (true, 1));
-    let tpot_samples = p.model(0).unwrap().latency.tpot.samples();
+    let backend = Backend { speed: vec![1.0] };
+    let (_, mut now) = sequential_in(&mut p, vec![1.0], 100, (true, 1));
     let before = p.predict(0, 500, now).unwrap().0;
-    let (_, now) = sequential_in(&mut p, vec![1.0], 200, (false, now));
-    let m = p.model(0).unwrap();
-    assert_eq!(
-        m.latency.tpot.samples(),
-        tpot_samples,
-        "non-streamed: no TPOT sample"
-    );
+    for _ in 0..10 {
+        let tpot_samples = p.model(0).unwrap().latency.tpot.samples();
+        for t in 0..5 {
+            let Ok(Admit::Granted(i)) = p.submit_request(t, Priority::Low, req(0, 500), &[], now)
+            else {
+                panic!("an idle pool grants at once")
+            };
+            now += backend.ttft(i, 500, 1) as Millis;
+            // 300 tokens at three times the streams' time per token
+            now += (backend.tpot(i, 1) * 3.0 * 299.0) as Millis;
+            p.release_with(t, Outcome::Success, 0, 300, now).unwrap();
+        }
+        assert_eq!(
+            p.model(0).unwrap().latency.tpot.samples(),
+            tpot_samples,
+            "non-streamed: no TPOT sample"
+        );
+        now = sequential_in(&mut p, vec![1.0], 10, (true, now)).1;
+    }
     let after = p.predict(0, 500, now).unwrap().0;
-    // ~35 ms idle TTFT either way, not the ~525 ms total
-    assert!(after < 2.0 * before && after < 100.0, "{before} -> {after}");
+    // ~35 ms idle TTFT either way, not seconds
+    assert!(after < 1.5 * before && after < 100.0, "{before} -> {after}");
 }
 
 #[test]
