@@ -360,6 +360,47 @@ async def test_an_unattainable_objective_is_shed_at_once_or_served_late(
     await gw.assert_quiet()
 
 
+@pytest.mark.parametrize("shed", [True, False], ids=["shed", "served-late"])
+async def test_a_waiter_whose_objective_is_lost_while_queued(
+    mocks: MockFactory, gateway_factory: GatewayFactory, shed: bool
+) -> None:
+    """SPEC §17 with `shed_unattainable`: a request attainable when it came (one slot, busy
+    with a request predicted to end soon) whose objective is lost while it waits — the slot's
+    request runs far longer than the model learnt — is answered 503 `slo_unattainable` with
+    Retry-After before its deadline would pass, not served late; without shedding it waits
+    and is served, `missed`."""
+    m = await mocks(latency_ms=40)
+    config = simple_config(pool_config((m, 1)), scheduler={"shed_unattainable": shed})
+    gw = await gateway_factory(config)
+    await _warm(gw)
+    m.configure(latency_ms=900)  # the model still expects ~40 ms
+    async with _client(gw) as client:
+        holder = asyncio.create_task(_ask(client))
+        deadline = time.monotonic() + 5
+        while (await gw.state())["pools"]["p"]["instances"][0]["in_flight"] < 1:
+            assert time.monotonic() < deadline, "the first request never started"
+        t0 = time.monotonic()
+        if shed:
+            with pytest.raises(openai.APIStatusError) as err:
+                await _ask(client, {"x-slo-ttft-ms": "400"})
+            took = time.monotonic() - t0
+            resp = err.value.response
+            assert resp.status_code == 503
+            body = err.value.body
+            assert isinstance(body, dict) and body["code"] == "slo_unattainable", body
+            assert int(resp.headers["Retry-After"]) >= 1
+            assert resp.headers[SLO] == "missed"
+            # it waited (attainable when it came), and was answered before the slot freed
+            assert 0.1 < took < 0.8, took
+            assert (await _slo_counts(gw)).get(("high", "shed")) == 1
+        else:
+            verdict, raw = await _ask(client, {"x-slo-ttft-ms": "400"})
+            assert raw.http_response.status_code == 200 and verdict == "missed"
+        verdict, raw = await holder
+        assert raw.http_response.status_code == 200 and verdict == "none"
+    await gw.assert_quiet()
+
+
 async def test_an_unattainable_objective_moves_to_a_faster_pool_the_key_may_use(
     mocks: MockFactory, gateway_factory: GatewayFactory
 ) -> None:

@@ -473,6 +473,8 @@ class Gateway:
         except (RequestError, QueueFull, NoHealthyInstance) as err:
             ex.status, ex.error, _ = answer_of(err)
             self.metrics.rejected(ex.error)
+            if isinstance(err, SloUnattainable):  # SPEC §17: shed at arrival or while queued
+                ex.slo_result = "shed"
             # Kept as the answer without its traceback: its frames (this one included, a
             # cycle only the GC would break) hold what the request held, e.g. the body read
             # so far (SPEC §16: memory the bound no longer counts).

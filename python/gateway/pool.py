@@ -190,6 +190,8 @@ class Pool:
         # The clock the core's time comes from (the composition root's; a test's manual one).
         self._now = clock.now_ms
         self._core = _core.Pool(core_config(config, spec), seed=config.seed)
+        # SPEC §17: with shedding, a waiter whose objective is lost is answered, not re-keyed.
+        self._core.set_shed_unattainable(config.scheduler.shed_unattainable)
         # SPEC §12: with --workers, this pool is one worker's share of the region (the
         # topology the composition root decided, handed down).
         self._link = link
@@ -472,6 +474,7 @@ class Pool:
         and URL stay keep their state and connections; removed ones take nothing new and
         drain; new ones join."""
         self._core.configure(core_config(config, spec))
+        self._core.set_shed_unattainable(config.scheduler.shed_unattainable)
         self.spec = spec
         self.balancer = spec.balancer or config.balancer
         self.affine = self.balancer == "affinity"

@@ -15,7 +15,13 @@ from collections.abc import Callable, Iterable
 from gateway import _core
 from gateway._core import Affinity, EventKind, InstanceState, Outcome, Priority
 from gateway.clock import LOOP_CLOCK, Clock, Timer, now_ms
-from gateway.errors import DEFAULT_RETRY_AFTER_MS, GatewayError, NoHealthyInstance, QueueTimeout
+from gateway.errors import (
+    DEFAULT_RETRY_AFTER_MS,
+    GatewayError,
+    NoHealthyInstance,
+    QueueTimeout,
+    SloUnattainable,
+)
 from gateway.topology import WorkerLink
 
 __all__ = ["PoolScheduler", "Unservable", "now_ms"]
@@ -176,6 +182,16 @@ class PoolScheduler:
                         QueueTimeout(
                             "Waited longer than the queue allows; retry later.",
                             retry_after_ms=self.retry_after(waiter[1]),
+                        )
+                    )
+                elif event.kind is EventKind.UNATTAINABLE:
+                    # SPEC §17 `shed_unattainable`: its objective was lost while it waited —
+                    # answered now rather than served late.
+                    fut.set_exception(
+                        SloUnattainable(
+                            "The request's latency objective can no longer be met; retry "
+                            "later or with a longer objective.",
+                            retry_after_ms=max(DEFAULT_RETRY_AFTER_MS, event.retry_after_ms),
                         )
                     )
                 else:

@@ -115,6 +115,10 @@ pub enum EventKind {
     /// No instance it may use is available any more: try the fallback pool, or answer 503
     /// with `Retry-After` (SPEC §6: "the time until the earliest instance may be tried").
     Unservable { retry_after_ms: Millis },
+    /// SPEC §17 with `scheduler.shed_unattainable`: while it waited its objective was lost
+    /// (no instance is predicted to meet its deadline any more): answer 503
+    /// `slo_unattainable` with `Retry-After` rather than serve it late.
+    Unattainable { retry_after_ms: Millis },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -355,6 +359,8 @@ pub struct Pool {
     typical_output: f64,
     /// The latest `fastest_ttft` and when it was computed (once per millisecond at most).
     fastest: (Millis, f64),
+    /// SPEC §17 `scheduler.shed_unattainable`: hopeless waiters are answered, not re-keyed.
+    shed_hopeless: bool,
     queues: [ClassQueue; 2],
     selector: Selector,
     balancer: Balancer,
@@ -402,6 +408,7 @@ impl Pool {
             typical_prompt: 0.0,
             typical_output: 0.0,
             fastest: (Millis::MAX, 0.0),
+            shed_hopeless: false,
             instances: Vec::new(),
             extras: Vec::new(),
             backend_loaded: false,
@@ -1099,7 +1106,19 @@ impl Pool {
             .filter(|i| !i.removed)
             .map(|i| i.breaker.next_try_at(now))
             .filter(|&t| t > now);
-        deadlines.chain(recoveries).min()
+        // SPEC §17 with shedding: when a head's objective will be lost (its deadline less the
+        // fastest first token last predicted), so it is answered then, not at the next grant.
+        let (at, fastest) = self.fastest;
+        let lost = (self.shed_hopeless && at != Millis::MAX && !fastest.is_nan())
+            .then(|| {
+                [Priority::High, Priority::Low]
+                    .into_iter()
+                    .filter_map(|c| self.queues[c.index()].earliest_objective_head())
+                    .min()
+                    .map(|d| d.saturating_sub(fastest as Millis).max(now + 1))
+            })
+            .flatten();
+        deadlines.chain(recoveries).chain(lost).min()
     }
 
     fn max_wait(&self, class: Priority) -> Millis {
@@ -1200,21 +1219,33 @@ impl Pool {
         }
     }
 
+    /// SPEC §17 `scheduler.shed_unattainable`: waiters whose objective becomes unattainable
+    /// while they wait are answered at once (503 `slo_unattainable`, an `Unattainable` event)
+    /// instead of going back to FIFO — only while the models can tell (calibrated enough to
+    /// predict; otherwise they are re-keyed as without shedding). Call `tick` after.
+    pub fn set_shed_unattainable(&mut self, on: bool) {
+        self.shed_hopeless = on;
+    }
+
     /// SPEC §17: heads whose objective no instance can meet any more go back to FIFO (see
     /// `queue.rs`): their deadline is before now + the fastest p90 TTFT predicted for them
-    /// (now alone while no model is calibrated).
+    /// (now alone while no model is calibrated). With `shed_unattainable` they are answered
+    /// instead (while a prediction exists: shedding fails open).
     fn rekey_hopeless(&mut self, now: Millis) {
         let fastest = match self.fastest {
-            (at, ms) if at == now => ms,
+            (at, ms) if at == now => Some(ms),
             _ => {
-                let ms = self
-                    .fastest_ttft(self.typical_prompt as u32, now)
-                    .unwrap_or(0.0);
-                self.fastest = (now, ms);
+                let ms = self.fastest_ttft(self.typical_prompt as u32, now);
+                self.fastest = (now, ms.unwrap_or(f64::NAN));
                 ms
             }
-        };
-        let horizon = now.saturating_add(fastest as Millis);
+        }
+        .filter(|ms| !ms.is_nan());
+        if let (true, Some(ms)) = (self.shed_hopeless, fastest) {
+            self.shed_hopeless_heads(now, ms);
+            return;
+        }
+        let horizon = now.saturating_add(fastest.unwrap_or(0.0) as Millis);
         for class in [Priority::High, Priority::Low] {
             let max_wait = self.max_wait(class);
             let tickets = &self.tickets;
@@ -1224,6 +1255,34 @@ impl Pool {
                 max_wait,
                 16,
             );
+        }
+    }
+
+    /// `rekey_hopeless` with shedding on: every waiter whose deadline is before now + the
+    /// fastest p90 TTFT is answered `Unattainable`, with a Retry-After of the class's
+    /// estimated wait (at least that TTFT).
+    fn shed_hopeless_heads(&mut self, now: Millis, fastest_ms: f64) {
+        let horizon = now.saturating_add(fastest_ms as Millis);
+        for class in [Priority::High, Priority::Low] {
+            let tickets = &self.tickets;
+            let shed = self.queues[class.index()]
+                .take_hopeless(&|t| is_waiting(tickets, t, class), horizon);
+            if shed.is_empty() {
+                continue;
+            }
+            let retry_after_ms = self
+                .retry_after_ms(class, now)
+                .max(fastest_ms.ceil() as Millis);
+            for t in shed {
+                self.tickets.remove(&t);
+                self.forget_blocks(t);
+                self.events.push(Event {
+                    ticket: t,
+                    kind: EventKind::Unattainable { retry_after_ms },
+                    affinity: Affinity::None,
+                    matched_blocks: 0,
+                });
+            }
         }
     }
 

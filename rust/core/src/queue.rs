@@ -245,6 +245,28 @@ impl ClassQueue {
         done
     }
 
+    /// SPEC §17 with `scheduler.shed_unattainable`: removes the entries whose objective is
+    /// lost — deadline before `horizon` — instead of re-keying them (`rekey_hopeless`); returns
+    /// their tickets. Costs a look at each tenant's head unless some head is before `horizon`.
+    pub fn take_hopeless(
+        &mut self,
+        is_live: &impl Fn(Ticket) -> bool,
+        horizon: Millis,
+    ) -> Vec<Ticket> {
+        if self.live == 0 {
+            return Vec::new();
+        }
+        self.clean_heads(is_live);
+        let due = self
+            .ring
+            .iter()
+            .any(|q| q.entries.front().is_some_and(|h| h.deadline < horizon));
+        if !due {
+            return Vec::new();
+        }
+        self.remove_where(is_live, |e| e.objective && e.deadline < horizon)
+    }
+
     /// The pool cancelled a waiting ticket of `tenant` in this class; its entry is now a
     /// tombstone. A tenant left with nothing live leaves the ring (and its turn).
     pub fn forget(&mut self, tenant: Tenant) {
@@ -480,6 +502,18 @@ impl ClassQueue {
     }
 
     /// When the earliest live entry times out (tombstones may make it early, never late).
+    /// The earliest objective among the tenants' heads (SPEC §17: when shedding, the pool
+    /// wakes when it is lost). Heads only: an objective behind a head without one has a later
+    /// deadline than that head's key, and is looked at once it is a head.
+    pub fn earliest_objective_head(&self) -> Option<Millis> {
+        self.ring
+            .iter()
+            .filter_map(|q| q.entries.front())
+            .filter(|e| e.objective)
+            .map(|e| e.deadline)
+            .min()
+    }
+
     pub fn next_deadline(&self, max_wait: Millis) -> Option<Millis> {
         if self.live == 0 {
             return None;

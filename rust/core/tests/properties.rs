@@ -263,7 +263,8 @@ impl Caller {
             match kind {
                 EventKind::Granted(inst) => self.start(ticket, inst),
                 EventKind::Expired => self.expired += 1,
-                EventKind::Unservable { .. } => self.evicted += 1,
+                // shedding is never switched on here: a hopeless waiter is re-keyed
+                EventKind::Unservable { .. } | EventKind::Unattainable { .. } => self.evicted += 1,
             }
         }
     }

@@ -560,3 +560,53 @@ fn a_spilled_high_request_waits_in_arrival_order_as_low() {
     }
     assert_eq!(order, vec![3, 2, 4, 5]);
 }
+
+/// SPEC §17 `scheduler.shed_unattainable`: a waiter whose objective becomes unattainable while
+/// it waits is answered `Unattainable` (503 `slo_unattainable` with a Retry-After) instead of
+/// being served late; one whose objective is still attainable keeps waiting. Without shedding
+/// the hopeless one goes back to FIFO and no event comes.
+#[test]
+fn a_waiter_whose_objective_is_lost_is_shed_only_when_asked() {
+    for shed in [true, false] {
+        let mut p = predicted_pool(1);
+        // ~35 ms idle TTFT, calibrated; the instance holds 8 at once: fill it
+        let (_, mut now) = sequential_in(&mut p, vec![1.0], 100, (true, 1));
+        p.set_shed_unattainable(shed);
+        for t in 1000..1008 {
+            let admit = p.submit_request(t, Priority::High, req(0, 500), &[], now);
+            assert!(matches!(admit, Ok(Admit::Granted(_))), "{admit:?}");
+        }
+        let (hopeful, doomed) = (2000, 2001);
+        for (t, within) in [(hopeful, 10_000), (doomed, 60)] {
+            let admit = p.submit_request(t, Priority::High, req(now + within, 500), &[], now);
+            assert_eq!(admit, Ok(Admit::Queued(Priority::High)));
+        }
+        assert!(p.take_events().is_empty(), "both attainable when they came");
+        now += 40; // the doomed one's 60 ms can no longer hold a ~35 ms first token
+        let events = p.tick(now);
+        let shed_now: Vec<_> = events
+            .iter()
+            .filter_map(|e| match e.kind {
+                EventKind::Unattainable { retry_after_ms } => Some((e.ticket, retry_after_ms)),
+                _ => None,
+            })
+            .collect();
+        if shed {
+            assert_eq!(shed_now.len(), 1, "{events:?}");
+            assert_eq!(shed_now[0].0, doomed);
+            assert!(
+                shed_now[0].1 >= 30,
+                "a Retry-After of at least a first token"
+            );
+        } else {
+            assert!(shed_now.is_empty(), "{events:?}");
+        }
+        assert_eq!(p.waiting(), if shed { 1 } else { 2 });
+        // every ticket still ends exactly once
+        for t in 1000..1008 {
+            p.release_with(t, Outcome::Success, 0, 10, now).unwrap();
+        }
+        assert_eq!(p.waiting(), 0);
+        assert_eq!(p.tickets_outstanding(), if shed { 1 } else { 2 });
+    }
+}

@@ -76,6 +76,9 @@ pub enum EventKind {
     /// No instance it may use is available: the fallback pool, or 503 after
     /// `Event.retry_after_ms`.
     UNSERVABLE,
+    /// SPEC §17 `scheduler.shed_unattainable`: its objective was lost while it waited: 503
+    /// `slo_unattainable` after `Event.retry_after_ms`.
+    UNATTAINABLE,
 }
 
 #[pymethods]

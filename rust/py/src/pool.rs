@@ -247,6 +247,9 @@ fn encode(events: Vec<core::Event>) -> Events {
                 core::EventKind::Unservable { retry_after_ms } => {
                     (EventKind::UNSERVABLE, None, retry_after_ms)
                 }
+                core::EventKind::Unattainable { retry_after_ms } => {
+                    (EventKind::UNATTAINABLE, None, retry_after_ms)
+                }
             };
             Event {
                 ticket: e.ticket,
@@ -331,6 +334,12 @@ impl Pool {
         Ok(self
             .inner
             .add_instance_full(max_concurrency, ring_id, adaptive)?)
+    }
+
+    /// SPEC §17 `scheduler.shed_unattainable`: waiters whose objective is lost while they wait
+    /// are answered (`EventKind.UNATTAINABLE`) instead of re-keyed to FIFO. Call `tick` after.
+    fn set_shed_unattainable(&mut self, on: bool) {
+        self.inner.set_shed_unattainable(on);
     }
 
     /// SPEC §17: turns an instance's adaptive limit on (it starts low) or off.
