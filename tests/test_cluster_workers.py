@@ -494,3 +494,69 @@ async def test_a_keys_rpm_holds_across_hosts_of_workers_with_one_redis_connectio
     assert before == {"gateway:h1": 1, "gateway:h2": 1}, before
     assert after == {"gateway:h1": 1, "gateway:h2": 1}, after
     print(f"{admitted} of 30 admitted in {elapsed:.2f} s; Redis connections {before} / {after}")
+
+
+async def test_a_keys_host_allowance_on_the_static_share_while_redis_is_down(
+    tmp_path: Path,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """SPEC §13 "Redis unreachable → static share", for a key's limit on a host of workers:
+    Redis is killed; h1's member refills the host's allowance at the static share (`rpm: 120`
+    over 2 hosts: 1 a second, at most 60 held). 80 requests at once over h1's workers run it
+    out (429 with Retry-After); then, with Redis still down, the refill admits the key again
+    within a few seconds; over the whole time at most 60 plus the refill pass. h1 reports
+    degraded, and at rest nothing is in flight or queued."""
+    rpm = 120
+    mock = MockServer(MockBehavior(latency_ms=5))
+    await mock.start()
+    config = _small_config(redis_server.url, mock)
+    config["auth"]["keys"].append({"key": "sk-limited-0001", "name": "limited", "rpm": rpm})
+    hosts = [Replica(tmp_path, f"h{i + 1}", config, workers=2) for i in range(2)]
+    answers: list[tuple[int, dict[str, str]]] = []
+    async with _fresh_connections() as session:
+        try:
+            for rep in hosts:
+                rep.start()
+            for rep in hosts:
+                await rep.wait_ready(session)
+            await until(lambda: _both_leased(redis_server), 5, "both hosts leased")
+
+            async def split() -> bool:  # idle: the slots split evenly (the static share's)
+                return [await _lease_on(session, rep) for rep in hosts] == [2, 2]
+
+            await until(split, 5, "the idle hosts' even split")
+            started = time.monotonic()
+            redis_server.stop()
+
+            async def degraded() -> bool:
+                state = (await hosts[0].state(session))["cluster"]
+                return bool(state["status"] == "degraded")
+
+            await until(degraded, 5, "h1 on its static share")
+            answers += await asyncio.gather(*(_limited(session, hosts[0]) for _ in range(80)))
+            burst = [s for s, _ in answers]
+
+            async def admitted_again() -> bool:
+                answers.append(await _limited(session, hosts[0]))
+                return answers[-1][0] == 200
+
+            refilled = await until(admitted_again, 6, "the key admitted again on the refill")
+            elapsed = time.monotonic() - started
+            state = (await hosts[0].state(session))["cluster"]
+            await until(lambda: _quiet(session, hosts), 10, "quiet")
+        finally:
+            for rep in hosts:
+                rep.stop()
+            await mock.stop()
+    statuses = [s for s, _ in answers]
+    admitted = statuses.count(200)
+    assert set(statuses) <= {200, 429}, statuses
+    assert 429 in burst, "80 at once ran the allowance out"
+    allowed = rpm / 2 + rpm / 2 / 60 * elapsed  # the static share held, then its refill
+    assert admitted <= allowed, f"{admitted} admitted in {elapsed:.1f} s, limit {allowed:.1f}"
+    assert all("retry-after" in h for s, h in answers if s == 429)
+    assert state["status"] == "degraded"
+    print(
+        f"{burst.count(200)} of a burst of 80 admitted on the static share, the next"
+        f" {refilled:.2f} s later; {admitted} in {elapsed:.2f} s"
+    )
