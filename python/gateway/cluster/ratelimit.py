@@ -331,8 +331,9 @@ class HostLeasedLimits(KeyLimits):
             delta = 0.0
             if have < desired:
                 delta = desired - have
-            elif have > 2 * desired:
-                # Given back from the region first: a worker can no longer spend it.
+            elif have > 2 * desired and not share.static_replicas:
+                # Given back from the region first: a worker can no longer spend it. (Not on
+                # the static share: the call would most likely fail, and what it took be lost.)
                 delta = -region.allowance_take_upto(k, tokens, int((have - desired) * _SCALE))
                 delta /= _SCALE
             out.append((f"{self.name}|{suffix}", limit, round(delta, 6)))
