@@ -8,18 +8,26 @@ answers 429, counted, past its cap).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import os
 import signal
 import socket
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
 import pytest
 
 from cluster_harness import Replica
+from gateway import _core
 from gateway.cluster.host import HostSeat
+from gateway.cluster.ratelimit import HostLeasedLimits, RateShare, RateSync
+from gateway.cluster.redis_state import RedisState
+from gateway.errors import RateLimited
+from gateway.limits import KeyLimits
 from gateway.sim.mock import MockBehavior, MockServer
 from redis_fixture import REDIS_SERVER, RedisServer
 from test_cluster import (
@@ -494,3 +502,139 @@ async def test_a_keys_rpm_holds_across_hosts_of_workers_with_one_redis_connectio
     assert before == {"gateway:h1": 1, "gateway:h2": 1}, before
     assert after == {"gateway:h1": 1, "gateway:h2": 1}, after
     print(f"{admitted} of 30 admitted in {elapsed:.2f} s; Redis connections {before} / {after}")
+
+
+async def test_a_keys_host_allowance_on_the_static_share_while_redis_is_down(
+    tmp_path: Path,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """SPEC §13 "Redis unreachable → static share", for a key's limit on a host of workers:
+    Redis is killed; h1's member refills the host's allowance at the static share (`rpm: 120`
+    over 2 hosts: 1 a second, at most 60 held). 80 requests at once over h1's workers run it
+    out (429 with Retry-After); then, with Redis still down, the refill admits the key again
+    within a few seconds; over the whole time at most 60 plus the refill pass. h1 reports
+    degraded, and at rest nothing is in flight or queued."""
+    rpm = 120
+    mock = MockServer(MockBehavior(latency_ms=5))
+    await mock.start()
+    config = _small_config(redis_server.url, mock)
+    config["auth"]["keys"].append({"key": "sk-limited-0001", "name": "limited", "rpm": rpm})
+    hosts = [Replica(tmp_path, f"h{i + 1}", config, workers=2) for i in range(2)]
+    answers: list[tuple[int, dict[str, str]]] = []
+    async with _fresh_connections() as session:
+        try:
+            for rep in hosts:
+                rep.start()
+            for rep in hosts:
+                await rep.wait_ready(session)
+            await until(lambda: _both_leased(redis_server), 5, "both hosts leased")
+
+            async def split() -> bool:  # idle: the slots split evenly (the static share's)
+                return [await _lease_on(session, rep) for rep in hosts] == [2, 2]
+
+            await until(split, 5, "the idle hosts' even split")
+            started = time.monotonic()
+            redis_server.stop()
+
+            async def degraded() -> bool:
+                state = (await hosts[0].state(session))["cluster"]
+                return bool(state["status"] == "degraded")
+
+            await until(degraded, 5, "h1 on its static share")
+            answers += await asyncio.gather(*(_limited(session, hosts[0]) for _ in range(80)))
+            burst = [s for s, _ in answers]
+
+            async def admitted_again() -> bool:
+                answers.append(await _limited(session, hosts[0]))
+                return answers[-1][0] == 200
+
+            refilled = await until(admitted_again, 6, "the key admitted again on the refill")
+            elapsed = time.monotonic() - started
+            state = (await hosts[0].state(session))["cluster"]
+            await until(lambda: _quiet(session, hosts), 10, "quiet")
+        finally:
+            for rep in hosts:
+                rep.stop()
+            await mock.stop()
+    statuses = [s for s, _ in answers]
+    admitted = statuses.count(200)
+    assert set(statuses) <= {200, 429}, statuses
+    assert 429 in burst, "80 at once ran the allowance out"
+    allowed = rpm / 2 + rpm / 2 / 60 * elapsed  # the static share held, then its refill
+    assert admitted <= allowed, f"{admitted} admitted in {elapsed:.1f} s, limit {allowed:.1f}"
+    assert all("retry-after" in h for s, h in answers if s == 429)
+    assert state["status"] == "degraded"
+    print(
+        f"{burst.count(200)} of a burst of 80 admitted on the static share, the next"
+        f" {refilled:.2f} s later; {admitted} in {elapsed:.2f} s"
+    )
+
+
+async def test_a_hosts_key_allowance_in_one_process_member_handover_and_tokens(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """The protocol on one memfd in one process, against the real Redis script: two workers'
+    rings (`rpm: 6`, `tpm: 1000`) get the same region entry; only the member's sync takes a
+    chunk, and both workers spend that one allowance (together at most the key's minute: 6
+    requests, whoever asks); usage above a request's token estimate is a debt of the host's
+    allowance, usage below it is given back; the other worker, made member, continues from
+    the allowance left and the key stays within its minute; a key both rings drop leaves the
+    region's table."""
+    fd = os.memfd_create("host-allowance", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, _core.REGION_BYTES)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    regions = [_core.Region(fd, 2), _core.Region(fd)]
+    os.close(fd)
+
+    def share() -> RateShare:
+        return RateShare(0.15, 1.5, lambda: None)
+
+    syncs = [RateSync(share(), regions[w], w, share()) for w in (0, 1)]
+    rings = [
+        SimpleNamespace(tenants=[SimpleNamespace(name="k", limits=KeyLimits(6, 1000))])
+        for _ in syncs
+    ]
+    for sync, ring in zip(syncs, rings, strict=True):
+        sync.adopt(ring)  # type: ignore[arg-type]
+    limits = [ring.tenants[0].limits for ring in rings]
+    assert all(isinstance(lim, HostLeasedLimits) for lim in limits)
+    assert limits[0].entry == limits[1].entry and regions[0].tables()[2] == 1
+    redis = RedisState(redis_server.url, replica="t", timeout_ms=500)
+    started = time.monotonic()
+    try:
+        with pytest.raises(RateLimited):
+            limits[1].admit(10)  # nothing held before the member's first chunk
+        await syncs[0].sync(redis)  # the member (worker 0)
+        await syncs[1].sync(redis, member=False)  # the other: nothing to sync
+        entry = limits[0].entry
+        passed = 0
+        for n in range(12):
+            try:
+                charged, headers = limits[n % 2].admit(10)
+            except RateLimited as e:
+                assert e.retry_after_ms and e.retry_after_ms >= 150
+                await syncs[0].sync(redis)  # the refusals size the member's next chunk
+                continue
+            passed += 1
+            assert charged == 10 and headers["x-ratelimit-limit-requests"] == "6"
+            before = regions[0].allowance(entry, True)
+            limits[n % 2].reconcile(charged, 200 if n == 0 else 5)
+            # Usage above the estimate is a debt of the host's; below it, given back.
+            assert regions[1].allowance(entry, True) == before - (190 if n == 0 else -5) * 1000
+        assert passed == 6, "the key's minute, whoever of the two workers asks"
+        # The member role moves to worker 1: it continues from what the host holds, and the
+        # key stays within its minute (plus the refill: 6 a minute, under 1 in this test).
+        await syncs[1].sync(redis)
+        for n in range(6):
+            with contextlib.suppress(RateLimited):
+                limits[n % 2].admit(1)
+                passed += 1
+        assert passed <= 6 + 6 / 60 * (time.monotonic() - started)
+        rings[1].tenants = []
+        syncs[1].adopt(rings[1])  # type: ignore[arg-type]
+        assert regions[0].tables()[2] == 1  # worker 0 still has it
+        rings[0].tenants = []
+        syncs[0].adopt(rings[0])  # type: ignore[arg-type]
+        assert regions[0].tables()[2] == 0
+    finally:
+        await redis.close()

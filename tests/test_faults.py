@@ -4,14 +4,22 @@ a fast honest answer when none does. After each test every counter is back to ze
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
+import select
+import socket
 import time
 from typing import Any
 
 import openai
+import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.events import RequestFinished
 from gateway.sim.mock import MockServer
-from support import GatewayFactory, MockFactory, RunningGateway, chat, pool_config
+from hostile import head, sse_events
+from support import GatewayFactory, MockFactory, RunningGateway, chat, eventually, pool_config
 
 
 def two_pool_config(primary: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -405,3 +413,135 @@ async def test_a_waiter_evicted_by_an_ejection_gets_the_real_retry_after(
     assert status == 503 and body["error"]["code"] == "no_healthy_instance"
     assert 7 <= int(headers["Retry-After"]) <= 8  # the ejection's 8 s, not 1
     await gw.assert_quiet()
+
+
+class _RawStreamUpstream:
+    """One instance that serves one streamed chat over a plain socket: the head and the role
+    chunk at once, the rest when the test says (`send_events`). Its bytes go straight to the
+    kernel (not through a loop's write buffer, flushed at the end of an iteration), so bytes
+    sent here and a client socket closed right after reach the gateway in the same poll, in
+    that order: the gateway's task wakes to the upstream's bytes while the client's connection
+    is already closing and the loop has not cancelled the request yet (without the fix the
+    `head` case failed 500 and the `end` case 200, every run)."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.setblocking(False)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/v1"
+        self.conn: socket.socket | None = None
+        self.asked = asyncio.Event()
+        self.task = asyncio.create_task(self._serve())
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        conn, _ = await loop.sock_accept(self.listener)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += await loop.sock_recv(conn, 65536)
+        head_, _, body = data.partition(b"\r\n\r\n")
+        declared = re.search(rb"(?i)content-length: *(\d+)", head_)
+        assert declared is not None
+        length = int(declared.group(1))
+        while len(body) < length:
+            body += await loop.sock_recv(conn, 65536)
+        self.conn = conn
+        self.send(
+            head(200, [("Content-Type", "text/event-stream"), ("Transfer-Encoding", "chunked")])
+        )
+        self.events = sse_events("tag", n=2)
+        self.send_events(1)  # the role chunk: held by the gateway until a content token
+        self.asked.set()
+
+    def send(self, data: bytes) -> None:
+        assert self.conn is not None
+        self.conn.sendall(data)  # a few hundred bytes into an empty socket buffer: at once
+
+    def send_events(self, n: int) -> None:
+        """The next `n` events, one chunk each (all that is left: then the stream's end)."""
+        out = [b"%x\r\n%b\r\n" % (len(e), e) for e in self.events[:n]]
+        del self.events[:n]
+        self.send(b"".join(out) + (b"" if self.events else b"0\r\n\r\n"))
+
+    def close(self) -> None:
+        self.task.cancel()
+        if self.conn is not None:
+            self.conn.close()
+        self.listener.close()
+
+
+async def _codes(gw: RunningGateway) -> dict[str, float]:
+    """gateway_requests_total of pool `p` by status code."""
+    async with gw.session.get(gw.url + "/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "gateway_requests":
+            for s in family.samples:
+                if s.name.endswith("_total") and s.labels["pool"] == "p":
+                    out[s.labels["code"]] = out.get(s.labels["code"], 0) + s.value
+    return out
+
+
+@pytest.mark.parametrize("at", ["head", "end"])
+async def test_a_client_leaving_a_stream_at_its_head_or_end_is_499(
+    gateway_factory: GatewayFactory, caplog: pytest.LogCaptureFixture, at: str
+) -> None:
+    """Issue 22: a stream's head waits for its first content token (SPEC §17); a client that
+    leaves just as it comes finds the head's write failing ("Cannot write to closing
+    transport") before the loop cancels its request — that was an unhandled error, answered
+    and counted 500; at the stream's end, a 200. Either way it is the client leaving: one
+    499 `client_closed` (metric and access line), no error logged, the slot back, the
+    instance not blamed, and the first token's TTFT learnt as for any cancelled stream."""
+    upstream = _RawStreamUpstream()
+    client: socket.socket | None = None
+    try:
+        pool = {
+            "instances": [
+                {"name": "raw", "url": upstream.url, "model": "up-model", "max_concurrency": 1}
+            ]
+        }
+        gw = await gateway_factory(two_pool_config(pool))
+        finished: list[RequestFinished] = []
+        gw.gateway.events.subscribe(
+            lambda e: finished.append(e) if isinstance(e, RequestFinished) else None
+        )
+        body = orjson.dumps(chat("hi", stream=True))
+        port = int(gw.url.rsplit(":", 1)[1])
+        # A plain blocking socket: its close() sends the FIN at once (localhost: connect and
+        # a small send never block).
+        client = socket.create_connection(("127.0.0.1", port))
+        with caplog.at_level(logging.ERROR, logger="gateway"):
+            client.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
+                % (len(body), body)
+            )
+            await upstream.asked.wait()
+            if at == "end":
+                upstream.send_events(1)  # the first content token: the head and it go out
+                got = b""
+
+                def readable() -> bool:
+                    nonlocal got
+                    if select.select([client], [], [], 0)[0]:
+                        got += client.recv(65536)
+                    return b"tag part0" in got
+
+                await eventually(readable, what="the first token at the client")
+                assert got.startswith(b"HTTP/1.1 200")
+            # The upstream's next bytes and the client's leaving, together.
+            upstream.send_events(1 if at == "head" else len(upstream.events))
+            client.close()
+            await eventually(lambda: bool(finished), what="the request's end")
+            await gw.assert_quiet()
+        (line,) = finished
+        assert (line.status, line.error) == (499, "client_closed")
+        assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert await _codes(gw) == {"499": 1}
+        (inst,) = (await gw.state())["pools"]["p"]["instances"]
+        assert inst["state"] == "healthy" and inst["consecutive_failures"] == 0
+        assert inst["prediction"]["samples"] > 0  # its TTFT, from the first token
+    finally:
+        if client is not None:
+            client.close()
+        upstream.close()

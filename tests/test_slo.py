@@ -285,13 +285,19 @@ async def _warm(
     client: openai.AsyncOpenAI | None = None,
     models: tuple[str, ...] = ("m",),
     streamed: bool = True,
+    pools: tuple[str, ...] | None = None,
 ) -> None:
     """Sequential streams (or, not `streamed`, non-streamed requests) to each of `models` until
-    every instance of every pool is calibrated (the model's p90 band holds 80-97 % of its
-    samples: a loaded machine may take more samples than a quiet one)."""
+    every instance of every pool (or of `pools`) is calibrated (the model's p90 band holds
+    80-97 % of its samples: a loaded machine may take more samples than a quiet one)."""
 
     def calibrated(state: dict[str, Any]) -> bool:
-        insts = [i for p in state["pools"].values() for i in p["instances"]]
+        insts = [
+            i
+            for name, p in state["pools"].items()
+            if pools is None or name in pools
+            for i in p["instances"]
+        ]
         return all(i["prediction"]["calibrated"] for i in insts)
 
     own = client is None
@@ -432,6 +438,44 @@ async def test_an_unattainable_objective_moves_to_a_faster_pool_the_key_may_use(
         with pytest.raises(openai.APIStatusError) as err:
             await _ask(free, {"x-slo-ttft-ms": "120"})
         assert err.value.response.status_code == 503
+    await gw.assert_quiet()
+
+
+async def test_an_unattainable_objective_never_moves_to_a_pool_nobody_has_measured(
+    mocks: MockFactory, gateway_factory: GatewayFactory
+) -> None:
+    """Issue 22: a pool whose model cannot say yet is not "faster" — the request stays in its
+    own pool (the demo moved 118 simple requests from light to an unmeasured heavy this way).
+    Its own pool fails open while uncalibrated (served there, neither moved nor shed); once
+    the other pool's model predicts the objective met, the request moves there."""
+    slow = await mocks(latency_ms=200)
+    fast = await mocks(latency_ms=10)
+    config = {
+        "pools": {"p": pool_config(slow), "fast": pool_config(fast)},
+        "models": {"m": {"pool": "p"}, "turbo": {"pool": "fast"}},
+    }
+    gw = await gateway_factory(config)
+    objective = {"x-slo-ttft-ms": "100"}
+    async with _client(gw) as client:
+        # Nothing calibrated: its own pool serves it (fail open), late.
+        verdict, raw = await _ask(client, objective)
+        assert raw.headers["X-Gateway-Pool"] == "p" and verdict == "missed"
+        await _warm(gw, client, ("m",), pools=("p",))
+        state = await gw.state()
+        assert state["pools"]["p"]["instances"][0]["prediction"]["ttft_ms"] >= 100
+        assert not state["pools"]["fast"]["instances"][0]["prediction"]["calibrated"]
+        # `p` is known too slow, `fast` not known at all: it stays in `p`.
+        for _ in range(3):
+            verdict, raw = await _ask(client, objective)
+            assert raw.http_response.status_code == 200 and verdict == "missed"
+            assert raw.headers["X-Gateway-Pool"] == "p"
+            assert "X-Gateway-Spilled-From" not in raw.headers
+        assert len(fast.requests) == 0
+        # Once `fast` is measured (and predicted within 100 ms), the request moves there.
+        await _warm(gw, client, ("turbo",), pools=("fast",))
+        verdict, raw = await _ask(client, objective)
+        assert raw.headers["X-Gateway-Pool"] == "fast" and verdict == "met"
+        assert raw.headers["X-Gateway-Spilled-From"] == "p"
     await gw.assert_quiet()
 
 

@@ -626,13 +626,19 @@ class Gateway:
             if wait == 0:
                 return
             waits.append(wait)
-        faster = [
-            (pools[name].best_ttft_ms(tokens), name)
-            for name in self._pools_of(tenant)
-            if name not in chain
-            and name in pools
-            and pools[name].attainable(priority, deadline, tokens) == 0
-        ]
+        # SPEC §17: "the request goes to a faster pool where its key's routes allow it" — one
+        # whose calibrated model predicts it meets the objective. `attainable` fails open on
+        # a model that cannot say yet (right for the request's own pool: it stays and
+        # queues); a pool nobody has measured is not known to be faster, so it takes none.
+        budget_ms = deadline - self._now_ms()
+        faster = []
+        for name in self._pools_of(tenant):
+            if name in chain or name not in pools:
+                continue
+            other = pools[name]
+            best_ms = other.best_ttft_ms(tokens)  # inf: no live calibrated instance
+            if best_ms <= budget_ms and other.attainable(priority, deadline, tokens) == 0:
+                faster.append((best_ms, name))
         if faster:
             target = min(faster)[1]
             ex.spilled_from = ex.decision.pool

@@ -632,10 +632,12 @@ class Forwarder:
                     ex.slo_ttft_ms, ex.slo_tpot_ms, first_at - ex.started
                 )
         resp = web.StreamResponse(status=200, headers=_stream_headers(ex))
-        await resp.prepare(request)
         failure: tuple[str, str] | None = None
         last = b""  # the stream's last events, written with its end in one piece
         try:
+            # Inside the `try`: a client that left while its first token was awaited is gone
+            # by the time the head is written ("Cannot write to closing transport").
+            await resp.prepare(request)
             if ended:
                 last = self._scrub_events(upstream, out, checker)
             else:
@@ -648,8 +650,9 @@ class Forwarder:
                     await resp.write_eof()
             raise
         except ConnectionResetError:
-            # The client left mid-stream: nothing to tell it; the upstream is closed after.
-            return resp, Outcome.NEUTRAL
+            # The client left mid-stream (or before its head went out): nothing to tell it;
+            # the upstream is closed after.
+            return resp, _client_left(ex)
         except Exception as exc:
             failure = _stream_failure(ex, exc)
         att.usage = checker.usage
@@ -893,6 +896,17 @@ def _stream_headers(ex: Exchange) -> dict[str, str]:
     return headers
 
 
+def _client_left(ex: Exchange) -> Outcome:
+    """A stream's client left while it was relayed — its head, an event or its end found the
+    connection closing before the loop cancelled the request: answered as when the
+    cancellation comes first, 499 `client_closed` (counted and logged once by the ingress, as
+    the exchange's status), and the attempt is neutral (its slot goes back; the instance's
+    model keeps the first token's TTFT and learns nothing from the cut answer). SPEC §3:
+    "after any mix of success, failure, timeout, cancellation ... 0 in flight and 0 queued"."""
+    ex.status, ex.error = 499, "client_closed"
+    return Outcome.NEUTRAL
+
+
 def _stream_failure(ex: Exchange, exc: Exception) -> tuple[str, str]:
     """A started stream's failure as (error code, reason) for its closing error event."""
     if isinstance(exc, AttemptError):
@@ -924,7 +938,10 @@ async def _end_stream(
             await resp.write(sse_error_event(code, f"The upstream stream failed: {why}."))
             await resp.write_eof()
         return Outcome.FAILURE
-    await resp.write_eof(last)
+    try:
+        await resp.write_eof(last)
+    except ConnectionResetError:
+        return _client_left(ex)  # it left before the stream's end reached it
     if checker.upstream_error is not None:
         # The upstream itself reported an error inside the stream (vLLM does): the client
         # already has that event; the instance failed this request.

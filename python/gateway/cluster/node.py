@@ -125,8 +125,9 @@ class ClusterNode:
             RateShare(renew_ms / 1000, lease_ms / 1000, self._wake.set),
             region,
             host.slot if host is not None else 0,
-            # A follower's refusals wake nobody here: the member looks at every tick (`follow`).
-            RateShare(renew_ms / 1000, lease_ms / 1000, self._wake.set),
+            # A refusal wakes the member's loop if it was the member's; the member sees the
+            # others' in the region at each tick (`follow`) and brings its next chunk forward.
+            RateShare(renew_ms / 1000, lease_ms / 1000, self._nudge_host),
         )
         self.redis_up = False
         self.failures = 0
@@ -211,6 +212,10 @@ class ClusterNode:
             host.resign()
         with contextlib.suppress(*RedisUnavailable):
             await self.redis.close()
+
+    def _nudge_host(self) -> None:
+        if self.host is None or self.host.member:
+            self._wake.set()
 
     def adopt_keys(self, ring: KeyRing) -> None:
         """SPEC §13 cluster-wide limits for the keys of a (new) key ring."""

@@ -301,10 +301,6 @@ class HostLeasedLimits(KeyLimits):
 
     # ---- the host member's side ------------------------------------------------------------
 
-    def refused(self) -> bool:
-        """Whether a worker was refused since the member's last exchange."""
-        return any(self._region.allowance_refused(self.entry, t) for _, t, _ in self._dims)
-
     def restamp(self, now: float) -> None:
         self._stamp = now
 
@@ -335,8 +331,9 @@ class HostLeasedLimits(KeyLimits):
             delta = 0.0
             if have < desired:
                 delta = desired - have
-            elif have > 2 * desired:
-                # Given back from the region first: a worker can no longer spend it.
+            elif have > 2 * desired and not share.static_replicas:
+                # Given back from the region first: a worker can no longer spend it. (Not on
+                # the static share: the call would most likely fail, and what it took be lost.)
                 delta = -region.allowance_take_upto(k, tokens, int((have - desired) * _SCALE))
                 delta /= _SCALE
             out.append((f"{self.name}|{suffix}", limit, round(delta, 6)))
@@ -460,7 +457,9 @@ class RateSync:
             lim.restamp(now)
 
     def refused_hosted(self) -> bool:
-        return any(lim.refused() for lim in self.hosted.values())
+        """Whether a worker of the host was refused a key since the member's last exchange
+        (one pass over the region's key table: ~1 us, at every tick of the member)."""
+        return bool(self.hosted) and self.region is not None and self.region.any_allowance_refused()
 
     def set_static(self, replicas: int | None) -> None:
         """Redis unreachable (`replicas` = the last known count) or back (`None`)."""

@@ -1397,6 +1397,15 @@ impl Region<'_> {
         self.lease_word(k, K_REFUSED, tokens).load(Relaxed)
     }
 
+    /// Whether any key entry counted a refusal since its last drain (the member's look at
+    /// every tick: one pass over the table instead of a call per key).
+    pub fn any_allowance_refused(&self) -> bool {
+        (0..MAX_KEYS).any(|k| {
+            self.key_word(k, K_REFUSED).load(Relaxed) != 0
+                || self.key_word(k, K_REFUSED + 1).load(Relaxed) != 0
+        })
+    }
+
     /// The central bucket's level as the member last saw it, and when (µs).
     pub fn set_central(&self, k: usize, tokens: bool, level: u64, at_us: u64) {
         self.lease_word(k, K_CENTRAL_AT, tokens)
@@ -1569,8 +1578,10 @@ mod tests {
         );
         assert_eq!(r.allowance(k, false), 500);
         assert_eq!(r.allowance_refused(k, false), 2000);
+        assert!(r.any_allowance_refused());
         assert_eq!(r.allowance_drain(k, false), (2000, 2000));
         assert_eq!(r.allowance_drain(k, false), (0, 0));
+        assert!(!r.any_allowance_refused());
         // Usage above an estimate leaves a debt; surplus is taken back only as far as held.
         r.allowance_add(k, true, -300, 300);
         assert_eq!(r.allowance(k, true), -300);

@@ -275,6 +275,11 @@ impl Region {
         Ok(self.inner.allowance_refused(slot, tokens))
     }
 
+    /// Whether any key entry counted a refusal since its last drain.
+    fn any_allowance_refused(&self) -> bool {
+        self.inner.any_allowance_refused()
+    }
+
     fn set_central(&self, slot: usize, tokens: bool, level: u64, at_us: u64) -> PyResult<()> {
         Self::check_key(slot)?;
         self.inner.set_central(slot, tokens, level, at_us);
