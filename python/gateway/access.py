@@ -30,19 +30,35 @@ class AccessValues:
         self._redactor = redactor
 
     def values(self, ex: Exchange, now: float) -> tuple[Any, ...]:
+        # Exchange's properties (`usage`, `priority_label`, `has_objective`) read inline: this
+        # runs once per request, on the loop, where each Python call costs (issue 25).
         d = ex.decision
-        usage = ex.usage
+        attempt = ex.attempt
+        usage = attempt.usage if attempt is not None else None
         rid = ex.request_id
         prefix = self._prefix
         if not (rid.startswith(prefix) and rid[len(prefix) :].isdigit()):
             rid = self._redactor.redact(rid)
+        if usage:
+            prompt = usage.get("prompt_tokens")
+            completion = usage.get("completion_tokens")
+            prompt = prompt if prompt.__class__ is int and prompt >= 0 else None
+            completion = completion if completion.__class__ is int and completion >= 0 else None
+        else:
+            prompt = completion = None
+        complexity: str | None = None
+        rule: str | None = None
+        priority: str | None = None
+        if d is not None:
+            complexity, rule = d.complexity, d.complexity_rule
+            priority = (ex.waited_as or d.priority).label
         return (
             rid,
             ex.pool,
             ex.instance,
-            ex.priority_label,
-            d.complexity if d else None,
-            d.complexity_rule if d else None,
+            priority,
+            complexity,
+            rule,
             round(ex.queue_ms, 1),
             round(ex.upstream_ms, 1),
             ex.status,
@@ -52,15 +68,12 @@ class AccessValues:
             ex.source,
             # SPEC §9: operators bill and throttle by key — its name, never the key itself.
             ex.key_name,
-            _count(usage.get("prompt_tokens")) if usage else None,
-            _count(usage.get("completion_tokens")) if usage else None,
+            prompt,
+            completion,
             ex.affinity if ex.affinity_key or ex.affinity_prefix is not None else None,
             ex.affinity_match,
             # SPEC §17: met, missed or shed (None: no objective).
-            (ex.slo_result or "missed") if ex.has_objective else None,
+            (ex.slo_result or "missed")
+            if ex.slo_ttft_ms is not None or ex.slo_tpot_ms is not None
+            else None,
         )
-
-
-def _count(value: Any) -> int | None:
-    """A token count from an upstream's `usage`, if it is one (a non-negative int)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
