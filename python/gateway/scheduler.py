@@ -237,6 +237,10 @@ class PoolScheduler:
     def _on_timer(self) -> None:
         self._timer = self._timer_at = None
         self.tick()
+        if self._waiters and self._timer is None:
+            # A wake that answered nothing (a prediction moved since it was set, SPEC §17's
+            # lost objectives) keeps the watch: the next wakeup is armed anyway.
+            self._arm()
 
     def fail_all_waiting(self, make: Callable[[], GatewayError]) -> int:
         """Answers every waiter with an error (drain deadline, pool removed)."""
