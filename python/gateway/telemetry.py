@@ -89,7 +89,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 from urllib.parse import unquote, urlsplit
 
 import msgspec
@@ -98,8 +98,9 @@ import orjson
 from gateway import __version__
 
 if TYPE_CHECKING:
+    from gateway._core import Priority
     from gateway.config import Config
-    from gateway.exchange import Exchange
+    from gateway.router import Decision
 
 __all__ = [
     "AttemptSpan",
@@ -114,6 +115,44 @@ __all__ = [
 ]
 
 log = logging.getLogger("gateway")
+
+
+# What a span reads of the request when it ends: the fields of `gateway.exchange.Exchange` it
+# records, as a protocol, so tracing sits below the exchange (which holds its span) and imports
+# nothing above it (issue 20: no import cycles; a module below never imports one above).
+class _Tried(Protocol):
+    @property
+    def ttfb(self) -> float | None: ...
+
+
+class Finished(Protocol):
+    """The request's outcome as `RequestSpan.end` and `AttemptSpan.end` read it."""
+
+    @property
+    def status(self) -> int: ...
+    @property
+    def error(self) -> str | None: ...
+    @property
+    def attempts(self) -> int: ...
+    @property
+    def queue_ms(self) -> float: ...
+    @property
+    def upstream_ms(self) -> float: ...
+    @property
+    def decision(self) -> Decision | None: ...
+    @property
+    def pool(self) -> str | None: ...
+    @property
+    def waited_as(self) -> Priority | None: ...
+    @property
+    def spilled_from(self) -> str | None: ...
+    @property
+    def instance(self) -> str | None: ...
+    @property
+    def usage(self) -> dict[str, Any] | None: ...
+    @property
+    def attempt(self) -> _Tried | None: ...
+
 
 #: The GenAI operation of each proxied route (`gen_ai.operation.name`).
 OPERATIONS: Final[Mapping[str, str]] = {
@@ -772,7 +811,7 @@ class RequestSpan:
         self._attempt = a
         return a
 
-    def end(self, ex: Exchange) -> None:
+    def end(self, ex: Finished) -> None:
         """Ends the request span with what the exchange learned (call it once the status is
         final: next to the request's metrics). Ends a queue or attempt span left open (a
         cancelled request). Idempotent."""
@@ -974,7 +1013,7 @@ class AttemptSpan:
                 out[name] = value
         return out
 
-    def end(self, result: Any, ex: Exchange) -> None:
+    def end(self, result: Any, ex: Finished) -> None:
         """Ends the span with what `Forwarder.attempt` returned: an `AttemptError` (failed
         before any byte reached the client; it has `.status`, `.timeout`) or the response
         (then `ex.error` tells a stream that failed after it started)."""
