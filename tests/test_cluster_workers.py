@@ -268,6 +268,43 @@ def test_host_seat_one_member_and_what_the_workers_tell_it(tmp_path: Path) -> No
     assert seats[2].try_lead() and not seats[1].try_lead()
 
 
+def test_host_seat_files_are_rewritten_in_place_and_a_half_write_is_never_read(
+    tmp_path: Path,
+) -> None:
+    """The publication and the reports are rewritten in place (no rename: on ext4 a rename
+    over a file costs ~70 us of CPU and blocks the loop ~0.2 ms, ten times a second on the
+    member): a shorter publication after a longer one reads as itself, and a file caught
+    half written (here: a body byte changed under its CRC) is not applied — the follower
+    keeps what it had and the member keeps the last whole report — until the next whole
+    write, which is."""
+    member, follower = HostSeat(str(tmp_path), 0, 2), HostSeat(str(tmp_path), 1, 2)
+    assert member.try_lead()
+    member.publish({"seq": 1, "pools": {"p": {"slots": {f"m{i}": i for i in range(50)}}}})
+    first = follower.changed()
+    assert first is not None and len(first["pools"]["p"]["slots"]) == 50
+    member.publish({"seq": 2, "pools": {"p": {"slots": {"m0": 1}}}})
+    assert follower.changed() == {"seq": 2, "pools": {"p": {"slots": {"m0": 1}}}}
+    published = tmp_path / "cluster-host.json"
+    assert len(list(tmp_path.iterdir())) == 2, "a temporary file was left"  # lock + publication
+    member.publish({"seq": 3, "pools": {"p": {"slots": {"m0": 2}}}})
+    data = bytearray(published.read_bytes())
+    data[data.index(b'"m0":2') + 5] = ord("9")  # the body no longer matches its CRC
+    published.write_bytes(bytes(data))
+    assert follower.changed() is None and follower.changed() is None
+    assert follower.read() == {"seq": 2, "pools": {"p": {"slots": {"m0": 1}}}}
+    member.publish({"seq": 4, "pools": {"p": {"slots": {"m0": 3}}}})
+    assert follower.changed() == {"seq": 4, "pools": {"p": {"slots": {"m0": 3}}}}
+    follower.report({"p": 2}, 4)
+    assert member.others() == ({"p": 2}, 4)
+    report = tmp_path / "cluster-waiting.1"
+    data = bytearray(report.read_bytes())
+    data[-2] = ord("5")  # "seq":4} -> "seq":5}, the CRC unchanged
+    report.write_bytes(bytes(data))
+    assert member.others() == ({"p": 2}, 4)
+    follower.report({"p": 1}, 5)
+    assert member.others() == ({"p": 1}, 5)
+
+
 async def _member_session(rep: Replica) -> aiohttp.ClientSession:
     """A session whose one keep-alive connection landed on `rep`'s member worker."""
     for _ in range(50):
