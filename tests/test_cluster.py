@@ -620,6 +620,7 @@ async def test_pool_admits_only_its_lease_and_fences_itself(mocks: Any) -> None:
     from gateway.events import Events
     from gateway.pool import Pool
     from gateway.scheduler import now_ms
+    from gateway.topology import Topology
 
     mock = await mocks()
     cfg = parse_config(
@@ -641,7 +642,9 @@ async def test_pool_admits_only_its_lease_and_fences_itself(mocks: Any) -> None:
     )
     from gateway._core import Outcome, Priority
 
-    pool = Pool("p", cfg.pools["p"], cfg, Events())
+    assert cfg.cluster is not None
+    leases = Topology.cluster(cfg.cluster).capacity(cfg)  # what the composition root picks
+    pool = Pool("p", cfg.pools["p"], cfg, Events(), capacity=leases)
     try:
         assert pool.snapshot().instances[0].lease == 0
         with pytest.raises(Overloaded):  # nothing leased: waits like a queue, then 503

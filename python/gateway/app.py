@@ -172,7 +172,7 @@ class Gateway:
         topology = topology if topology is not None else Topology.single()
         #: The public, typed event stream (requests answered, instance changes, probes).
         self.events = Events()
-        self.runtime = Runtime(config, self.events, topology.link, clock)
+        self.runtime = Runtime(config, self.events, topology.link, clock, topology.capacity)
         self._now_ms = clock.now_ms
         self.config_path = config_path
         #: SPEC §7 drain, from the signal on: /readyz answers 503 (load balancers stop sending)

@@ -9,9 +9,14 @@ process or a worker whose region the core already consults (SPEC §12: nothing m
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
-__all__ = ["Capacity", "OwnCapacity"]
+if TYPE_CHECKING:
+    from gateway import _core
+    from gateway.errors import GatewayError
+
+__all__ = ["Capacity", "CapacityFactory", "OwnCapacity", "own_capacity"]
 
 
 class Capacity(Protocol):
@@ -79,3 +84,21 @@ class OwnCapacity:
 
     def shown_max(self, core_max: int, configured: int) -> int:
         return core_max
+
+
+#: Builds one pool's `Capacity` from its core, the pool's "answer every request queued in the
+#: core with this error" and the configured `max_concurrency` of an instance index. The
+#: composition root chooses it (`Topology.capacity`), so the `Pool` never asks which topology
+#: it runs in.
+CapacityFactory = Callable[
+    ["_core.Pool", Callable[[Callable[[], "GatewayError"]], int], Callable[[int], int]], Capacity
+]
+
+
+def own_capacity(
+    core: _core.Pool,
+    fail_waiting: Callable[[Callable[[], GatewayError]], int],
+    configured: Callable[[int], int],
+) -> Capacity:
+    """One process, or a worker on the region: the pool's own counters."""
+    return OwnCapacity()

@@ -23,9 +23,8 @@ from gateway import _core
 from gateway._core import Affinity, InstanceState, Outcome, Priority
 from gateway.affinity import prefix_capacity_blocks, stable_id
 from gateway.backend_load import BackendLoad
-from gateway.capacity import Capacity, OwnCapacity
+from gateway.capacity import Capacity, CapacityFactory, own_capacity
 from gateway.clock import LOOP_CLOCK, Clock, now_ms
-from gateway.cluster.local import LocalLeases
 from gateway.config import Config, PoolSpec
 from gateway.errors import GatewayError
 from gateway.events import Events, InstanceChanged
@@ -183,6 +182,7 @@ class Pool:
         events: Events,
         link: WorkerLink | None = None,
         clock: Clock = LOOP_CLOCK,
+        capacity: CapacityFactory = own_capacity,
     ) -> None:
         self.name = name
         self.spec = spec
@@ -218,19 +218,14 @@ class Pool:
             )
             self._upstreams.append(Upstream(inst, config.timeouts))
         # Where slots come from beyond the core's counters: its own (one process, or a worker
-        # on the region), or SPEC §13 this replica's leased share of each instance (nothing
-        # is leased until the cluster sync's first answer). Called unconditionally.
-        self._capacity: Capacity = OwnCapacity()
-        if config.cluster is not None:
-            self._capacity = LocalLeases(
-                self._core,
-                self._scheduler.fail_all_waiting,
-                lambda i: self._upstreams[i].spec.max_concurrency,
-                # SPEC §13: waiting for a lease is queueing (an idle replica's share follows
-                # demand, so its first requests wait for a busy one's slots to come back).
-                max(config.cluster.lease_ms, config.scheduler.high.max_wait_ms),
-            )
-            self._capacity.reapply()
+        # on the region), or SPEC §13 this replica's leased share of each instance — the
+        # composition root's choice (`Topology.capacity`). Called unconditionally.
+        self._capacity: Capacity = capacity(
+            self._core,
+            self._scheduler.fail_all_waiting,
+            lambda i: self._upstreams[i].spec.max_concurrency,
+        )
+        self._capacity.reapply()
 
     # ---- the request path ----------------------------------------------------------------
 

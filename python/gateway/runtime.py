@@ -4,8 +4,10 @@ config without dropping anything."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 from gateway import _core
+from gateway.capacity import CapacityFactory, own_capacity
 from gateway.clock import LOOP_CLOCK, Clock
 from gateway.config import Config
 from gateway.errors import ConfigError
@@ -26,14 +28,18 @@ class Runtime:
         events: Events | None = None,
         link: WorkerLink | None = None,
         clock: Clock = LOOP_CLOCK,
+        capacity: Callable[[Config], CapacityFactory] = lambda _config: own_capacity,
     ) -> None:
         self.config = config
         self._link = link  # SPEC §12: the region new pools attach to (None: one process)
         self._clock = clock  # what every pool's core reads the time from
+        # Where a pool's slots come from beyond its core (SPEC §13: a replica's leases), for
+        # the config it is built from: the composition root's `Topology.capacity`.
+        self._capacity = capacity
         self.events = events if events is not None else Events()
         self.router = Router(config)
         self.pools: dict[str, Pool] = {
-            name: Pool(name, spec, config, self.events, link, clock)
+            name: Pool(name, spec, config, self.events, link, clock, capacity(config))
             for name, spec in config.pools.items()
         }
         # Pools removed by a reload, kept until their last attempt finished.
@@ -68,7 +74,15 @@ class Runtime:
         try:
             for name, spec in config.pools.items():
                 if name not in self.pools:
-                    fresh[name] = Pool(name, spec, config, self.events, self._link, self._clock)
+                    fresh[name] = Pool(
+                        name,
+                        spec,
+                        config,
+                        self.events,
+                        self._link,
+                        self._clock,
+                        self._capacity(config),
+                    )
         except _core.GatewayError as exc:
             for pool in fresh.values():
                 pool.abandon()

@@ -26,10 +26,12 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from gateway import _core
+from gateway.capacity import CapacityFactory, own_capacity
 from gateway.config.schema import Cluster, default_replica_id
 
 if TYPE_CHECKING:
     from gateway.cluster.host import HostSeat
+    from gateway.config import Config
 
 __all__ = ["WORKER_RESTARTS_FILE", "Topology", "WorkerLink"]
 
@@ -175,6 +177,21 @@ class Topology:
             host_id = f"{socket.gethostname()}-{link.supervisor}"
             settings = msgspec.structs.replace(settings, replica_id=host_id)
         return cls(link, settings)
+
+    def capacity(self, config: Config) -> CapacityFactory:
+        """Where each pool's slots come from beyond its core's counters: its own (one process;
+        a worker's core already reads the region), or SPEC §13 the replica's leased share of
+        each instance (nothing is leased until the cluster sync's first answer)."""
+        if self.cluster_settings is None:
+            return own_capacity
+        from gateway.cluster.local import LocalLeases  # SPEC §13: only with a cluster section
+
+        # SPEC §13: waiting for a lease is queueing (an idle replica's share follows demand,
+        # so its first requests wait for a busy one's slots to come back).
+        gate_wait_ms = max(self.cluster_settings.lease_ms, config.scheduler.high.max_wait_ms)
+        return lambda core, fail_waiting, configured: LocalLeases(
+            core, fail_waiting, configured, gate_wait_ms
+        )
 
     def seat(self) -> HostSeat | None:
         """This worker's seat at its host's membership (None: one process, or no cluster)."""

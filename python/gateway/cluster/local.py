@@ -33,8 +33,8 @@ import asyncio
 from collections.abc import Callable
 
 from gateway import _core
+from gateway.clock import now_ms
 from gateway.errors import DEFAULT_RETRY_AFTER_MS, GatewayError, Overloaded
-from gateway.scheduler import now_ms
 
 __all__ = ["LocalLeases"]
 
