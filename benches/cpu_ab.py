@@ -6,6 +6,9 @@ wrk counted. For "which commit costs what" on a shared machine, where throughput
     .venv/bin/python benches/cpu_ab.py --tree old=/tmp/wt-old --tree head=. \
         [--rounds 4] [--duration 5] [--conns 64] [--stream] [--no-access-log]
 
+`--tree NAME=PATH,ARG,...` passes ARGs to that tree's `gateway serve` alone, e.g. the same
+tree with and without its access log: `--tree on=. --tree off=.,--no-access-log`.
+
 A tree is a checkout's root with its extension built into python/gateway (see compare.py's
 prepare_base, or `maturin build --release` in a worktree and the wheel's _core.abi3.so copied).
 """
@@ -28,11 +31,13 @@ def user_sys(pid: int) -> tuple[float, float]:
     return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
 
 
-def cpu_us(tree: Path, mock_port: int, args: argparse.Namespace) -> tuple[float, float]:
+def cpu_us(
+    tree: Path, mock_port: int, args: argparse.Namespace, own: list[str]
+) -> tuple[float, float]:
     """(user, system) CPU µs per request."""
     port = free_port()
     tmp, cfg = one_pool_config(port, mock_port, max_concurrency=1000)
-    extra = ["--no-access-log"] if args.no_access_log else []
+    extra = (["--no-access-log"] if args.no_access_log else []) + own
     env = {**os.environ, "PYTHONPATH": str(tree.resolve() / "python")}
     with Processes() as procs, (tmp / "gateway.log").open("wb") as log:
         gw = procs.spawn(
@@ -59,17 +64,21 @@ def main() -> int:
     ap.add_argument("--stream", action="store_true")
     ap.add_argument("--no-access-log", action="store_true")
     args = ap.parse_args()
-    trees = [(n, Path(p)) for n, p in (t.split("=", 1) for t in args.tree)]
-    runs: dict[str, list[float]] = {n: [] for n, _ in trees}
-    split: dict[str, list[tuple[float, float]]] = {n: [] for n, _ in trees}
+    trees = []
+    for spec in args.tree:
+        name, rest = spec.split("=", 1)
+        path, *own = rest.split(",")
+        trees.append((name, Path(path), own))
+    runs: dict[str, list[float]] = {n: [] for n, _, _ in trees}
+    split: dict[str, list[tuple[float, float]]] = {n: [] for n, _, _ in trees}
     mock_port = free_port()
     with Processes() as procs:
         procs.spawn("1", PY, "-m", "gateway.cli", "mock", "--port", str(mock_port))
         wait_port(mock_port)
         for rnd in range(args.rounds):
             k = rnd % len(trees)
-            for name, tree in trees[k:] + trees[:k]:
-                user, system = cpu_us(tree, mock_port, args)
+            for name, tree, own in trees[k:] + trees[:k]:
+                user, system = cpu_us(tree, mock_port, args, own)
                 runs[name].append(user + system)
                 split[name].append((user, system))
                 print(

@@ -1,6 +1,7 @@
 """Type stubs of the Rust extension `gateway._core` (checked by mypy.stubtest)."""
 
-from typing import final
+from collections.abc import Callable
+from typing import Any, final
 
 __all__ = [
     "MAX_INSTANCES",
@@ -17,6 +18,7 @@ __all__ = [
     "InstanceState",
     "InvalidPoolConfig",
     "KeywordSet",
+    "LineBuffer",
     "NoHealthyInstance",
     "Outcome",
     "Policy",
@@ -383,3 +385,15 @@ class Region:
     def set_central(self, slot: int, tokens: bool, level: int, at_us: int) -> None: ...
     def central(self, slot: int, tokens: bool) -> tuple[int, int]: ...
     def tables(self) -> tuple[list[int], list[int], int]: ...
+
+@final
+class LineBuffer:
+    """Log lines waiting for the writer, in order; access lines built in one call."""
+
+    def __new__(cls, stamp_of: Callable[[float], str]) -> LineBuffer: ...
+    def push(self, line: bytes) -> int: ...
+    def access(
+        self, ex: Any, mono: float, prefix: str, json: bool, wall: float | None = None
+    ) -> int: ...
+    def take(self) -> tuple[bytes, int] | None: ...
+    def __len__(self) -> int: ...

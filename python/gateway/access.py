@@ -1,6 +1,6 @@
 """A finished exchange's access-log values, below the ingress.
 
-The access line (`logs.AccessLog`) is built when its batch is flushed, from the finished
+The access line (`logs.AccessLog`) is built as a request finishes, from the finished
 `Exchange`: what builds it is handed down to the log as a value (`AccessValues`, made once per
 gateway), so the log never calls back up into the ingress for it.
 """
@@ -17,8 +17,9 @@ __all__ = ["AccessValues"]
 
 class AccessValues:
     """`values(ex, now)`: the access line's values, in `logs.ACCESS_FIELDS` order
-    (`RequestFinished`'s fields), for `ex` finished at monotonic time `now` (the log is handed
-    the bound method: as cheap to call as the ingress's own was). Typed values that cannot
+    (`RequestFinished`'s fields), for `ex` finished at monotonic time `now` (a
+    `logs.AccessSource`; the log builds the same line from the exchange's fields in one call
+    where it can, `gateway._core.LineBuffer.access`). Typed values that cannot
     hold a secret (names from the config, codes, numbers) but for a request id the client
     chose: that one is redacted (SPEC §7: no key in any log line); an id the gateway made
     (`id_prefix` + its ticket) is not."""
@@ -28,6 +29,11 @@ class AccessValues:
     def __init__(self, id_prefix: str, redactor: Redactor) -> None:
         self._prefix = id_prefix
         self._redactor = redactor
+
+    @property
+    def prefix(self) -> str:
+        """The prefix of the request ids the gateway makes (`logs.AccessSource`)."""
+        return self._prefix
 
     def values(self, ex: Exchange, now: float) -> tuple[Any, ...]:
         # Exchange's properties (`usage`, `priority_label`, `has_objective`) read inline: this

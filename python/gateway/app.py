@@ -191,7 +191,7 @@ class Gateway:
         self._boot = os.urandom(4).hex()
         self._id_prefix = f"gw-{self._boot}-"  # the ids the gateway makes
         # The access line's values of a finished exchange, handed to the log as a value.
-        self._access_values = AccessValues(self._id_prefix, REDACTOR).values
+        self._access = AccessValues(self._id_prefix, REDACTOR)
         #: The admin routes, mounted by the composition root (`Server`), which owns reload.
         self.admin: Admin | None = None
         self._routes: dict[tuple[str, str], Handler] = {("GET", "/v1/models"): self.models}
@@ -897,16 +897,16 @@ class Gateway:
 
     def _log(self, ex: Exchange) -> None:
         """The request's access-log line and `RequestFinished` event (built only when someone
-        reads either). The access line is built with its batch when the log flushes
+        reads either). The access line is built at once into the log's buffer
         (`logs.AccessLog.record`), from the finished exchange."""
         fast = logs.access_log()
         if fast is not None:
-            fast.record(self._access_values, ex)
+            fast.record(self._access, ex)
         logging_on = access_log.isEnabledFor(logging.INFO)
         events = self.events
         if not logging_on and not events:
             return
-        values = self._access_values(ex, time.monotonic())
+        values = self._access.values(ex, time.monotonic())
         if logging_on:
             fields = dict(zip(logs.ACCESS_FIELDS, values, strict=True))
             access_log.info("request", extra={"fields": fields})

@@ -6,11 +6,13 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
+mod access;
 mod enums;
 mod matcher;
 mod pool;
 mod region;
 
+use access::LineBuffer;
 use enums::{Affinity, Balancer, EventKind, InstanceState, Outcome, Policy, Priority};
 use matcher::KeywordSet;
 use pool::{Event, InstanceInfo, Pool, PoolConfig, PoolStats};
@@ -109,6 +111,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PoolStats>()?;
     m.add_class::<KeywordSet>()?;
     m.add_class::<Region>()?;
+    m.add_class::<LineBuffer>()?;
     m.add("REGION_BYTES", core::shm::REGION_BYTES)?;
     m.add("MAX_WORKERS", core::shm::MAX_WORKERS)?;
     m.add("MAX_KEYS", core::shm::MAX_KEYS)?;
