@@ -631,7 +631,7 @@ class Forwarder:
                 ex.slo = slo.judge_first_token(
                     ex.slo_ttft_ms, ex.slo_tpot_ms, first_at - ex.started
                 )
-        resp = web.StreamResponse(status=200, headers=_stream_headers(ex))
+        resp = _EventStream(status=200, headers=_stream_headers(ex))
         failure: tuple[str, str] | None = None
         last = b""  # the stream's last events, written with its end in one piece
         try:
@@ -812,6 +812,14 @@ class Forwarder:
         if checker.error_seen:
             out = _rewrite_error_events(out, lambda text: self._scrub(upstream, text))
         return upstream.scrub(out)
+
+
+class _EventStream(web.StreamResponse):
+    """A relayed token stream's response: its head goes out with the first events, in one
+    write (aiohttp's `StreamResponse` writes the head alone at `prepare`, then each event:
+    one more send, and one more wake-up of the client, before its first token)."""
+
+    _send_headers_immediately = False
 
 
 @dataclass(slots=True)
