@@ -73,15 +73,21 @@ async def _both_leased(redis: RedisServer) -> bool:
     return set(await lease_records(redis)) == {"h1", "h2"}
 
 
-async def test_two_hosts_of_two_workers_never_overrun_a_backend(
+async def test_two_hosts_of_two_workers_share_one_instance_through_load_a_stop_and_a_kill(
     tmp_path: Path,
     redis_server: RedisServer,  # noqa: F811
 ) -> None:
-    """Issue 20 "Done when": two replicas with `--workers 2` each on one Redis, one instance
-    with `max_concurrency: 4`, 40 concurrent slow requests spread over both replicas and all
-    four workers: the backend never sees more than 4, none fails; Redis knows two replicas
-    (one per host, not one per worker); any worker shows its host's cluster block; at rest
-    nothing is in flight or queued."""
+    """Two hosts of `--workers 2` on one Redis share one instance of `max_concurrency: 4`; the
+    mock answers 429 (counted) past its cap, so any overrun shows. Starting the six processes
+    costs seconds, so the facets below share one run, in turn — each ends with nothing in
+    flight or queued, and the kill -9 goes last:
+
+    1. forty concurrent slow requests over both hosts (issue 20 "Done when");
+    2. an idle host's other worker gets a share while the other host is busy;
+    3. a worker stopped (SIGSTOP) through a shrink of its host's lease;
+    4. kill -9 of the worker that talks to Redis for its host, under load.
+
+    Through all of it the backend never sees more than 4."""
     mock = MockServer(MockBehavior(latency_ms=250, max_concurrency=4))
     await mock.start()
     config = _small_config(redis_server.url, mock)
@@ -93,20 +99,36 @@ async def test_two_hosts_of_two_workers_never_overrun_a_backend(
             for rep in hosts:
                 await rep.wait_ready(session)
             await until(lambda: _both_leased(redis_server), 5, "both hosts leased")
-            started = time.monotonic()
-            results = await asyncio.gather(*(_ask(session, hosts[i % 2]) for i in range(40)))
-            took = time.monotonic() - started
-            records = await lease_records(redis_server)
-            blocks = [(await rep.state(session))["cluster"] for rep in hosts for _ in range(4)]
-            await until(lambda: _quiet(session, hosts), 10, "quiet")
-            waiting = [
-                (await rep.state(session))["pools"]["p"]["instances"][0]["in_flight"]
-                for rep in hosts
-            ]
+            await _forty_slow_requests_never_overrun(session, hosts, mock, redis_server)
+            mock.configure(latency_ms=300)
+            await _an_idle_hosts_other_worker_gets_a_share(session, hosts, mock)
+            mock.configure(latency_ms=150)
+            await _a_worker_stopped_through_a_shrink(session, hosts, mock)
+            mock.configure(latency_ms=100)
+            await _kill_9_of_the_member_keeps_its_host_serving(session, hosts, mock, redis_server)
         finally:
             for rep in hosts:
                 rep.stop()
             await mock.stop()
+    assert mock.stats.peak_in_flight <= 4 and mock.stats.rejected == 0
+
+
+async def _forty_slow_requests_never_overrun(
+    session: aiohttp.ClientSession, hosts: list[Replica], mock: MockServer, redis: RedisServer
+) -> None:
+    """Issue 20 "Done when": 40 concurrent slow requests (250 ms) spread over both replicas
+    and all four workers: the backend never sees more than 4, none fails; Redis knows two
+    replicas (one per host, not one per worker); any worker shows its host's cluster block; at
+    rest nothing is in flight or queued."""
+    started = time.monotonic()
+    results = await asyncio.gather(*(_ask(session, hosts[i % 2]) for i in range(40)))
+    took = time.monotonic() - started
+    records = await lease_records(redis)
+    blocks = [(await rep.state(session))["cluster"] for rep in hosts for _ in range(4)]
+    await until(lambda: _quiet(session, hosts), 10, "quiet")
+    waiting = [
+        (await rep.state(session))["pools"]["p"]["instances"][0]["in_flight"] for rep in hosts
+    ]
     statuses = [r.status for r in results]
     assert statuses == [200] * 40, {s: statuses.count(s) for s in set(statuses)}
     assert mock.stats.peak_in_flight <= 4 and mock.stats.rejected == 0
@@ -122,52 +144,38 @@ async def test_two_hosts_of_two_workers_never_overrun_a_backend(
     print(f"40 answered 200 in {took:.2f} s; backend peak {mock.stats.peak_in_flight}")
 
 
-async def test_kill_9_of_the_member_keeps_its_host_serving(
-    tmp_path: Path,
-    redis_server: RedisServer,  # noqa: F811
+async def _kill_9_of_the_member_keeps_its_host_serving(
+    session: aiohttp.ClientSession, hosts: list[Replica], mock: MockServer, redis: RedisServer
 ) -> None:
     """The process that talks to Redis for a host is killed (-9) under load: the host's other
     worker keeps serving within the lease (no answer other than 200 — only requests on the
     killed worker's own connections may fail), takes the member role over within a lease and
     renews the host's lease under the same replica id (Redis never sees a third replica), the
     backend never sees more than 4, and at rest nothing is in flight or queued."""
-    mock = MockServer(MockBehavior(latency_ms=100, max_concurrency=4))
-    await mock.start()
-    config = _small_config(redis_server.url, mock)
-    hosts = [Replica(tmp_path, f"h{i + 1}", config, workers=2) for i in range(2)]
-    async with _fresh_connections() as session:
-        load = Load(session, hosts)
-        try:
-            for rep in hosts:
-                rep.start()
-            for rep in hosts:
-                await rep.wait_ready(session)
-            await until(lambda: _both_leased(redis_server), 5, "both hosts leased")
-            members = await _members(session, hosts[0])
-            assert len(members) == 1 and None not in members, members
-            (victim,) = members
-            load.start(12)
-            await until(lambda: len(load.results) >= 20, 10, "load running")
-            os.kill(victim, signal.SIGKILL)
-            killed = time.monotonic()
+    load = Load(session, hosts)
+    try:
+        members = await _members(session, hosts[0])
+        assert len(members) == 1 and None not in members, members
+        (victim,) = members
+        load.start(12)
+        await until(lambda: len(load.results) >= 20, 10, "load running")
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
 
-            async def moved() -> bool:
-                pids = await _members(session, hosts[0])
-                return len(pids) == 1 and victim not in pids and None not in pids
+        async def moved() -> bool:
+            pids = await _members(session, hosts[0])
+            return len(pids) == 1 and victim not in pids and None not in pids
 
-            took_over = await until(moved, 5, "the member role came back")
-            # The load goes on across the takeover; then a lease's worth more.
-            await asyncio.sleep(1.5)
-            records = await lease_records(redis_server)
-            await load.stop()
-            await until(lambda: _quiet(session, hosts), 10, "quiet")
-            after = [r for r in load.results if r.seconds >= killed]
-            state = (await hosts[0].state(session))["cluster"]
-        finally:
-            load.cancel()
-            for rep in hosts:
-                rep.stop()
-            await mock.stop()
+        took_over = await until(moved, 5, "the member role came back")
+        # The load goes on across the takeover; then a lease's worth more.
+        await asyncio.sleep(1.5)
+        records = await lease_records(redis)
+        await load.stop()
+        await until(lambda: _quiet(session, hosts), 10, "quiet")
+        after = [r for r in load.results if r.seconds >= killed]
+        state = (await hosts[0].state(session))["cluster"]
+    finally:
+        load.cancel()
     assert set(records) == {"h1", "h2"}, records
     failed = [r for r in load.results if r.status != 200]
     # The killed worker's own connections die with it (at most the requests it held).
@@ -189,57 +197,47 @@ async def _lease_on(session: aiohttp.ClientSession, rep: Replica) -> int:
 
 async def _follower_session(rep: Replica) -> aiohttp.ClientSession:
     """A session whose one keep-alive connection landed on a worker of `rep` that is not its
-    member (the kernel picks the worker per connection: new ones until one does)."""
-    for _ in range(50):
+    member (the kernel picks the worker per connection: new ones until one does — for a few
+    seconds, as a worker that is still starting takes none)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
         state = await rep.state(session)
         if state["cluster"]["host"]["member"]["worker"] != state["worker"]:
             return session
         await session.close()
+        await asyncio.sleep(0.02)
     raise AssertionError("no connection reached the non-member worker")
 
 
-async def test_an_idle_hosts_other_worker_gets_a_share_while_another_host_is_busy(
-    tmp_path: Path,
-    redis_server: RedisServer,  # noqa: F811
+async def _an_idle_hosts_other_worker_gets_a_share(
+    session: aiohttp.ClientSession, hosts: list[Replica], mock: MockServer
 ) -> None:
     """SPEC §13 "Shares follow demand", with the demand of the whole host: host h1 is busy with
     all 4 slots, so idle h2 holds none; then requests reach h2's worker that does not talk to
     Redis. They wait there for a lease — before the shared queue, where the member would not
     see them — so the member adds them to the host's demand: h2 gets slots from h1 within a
-    few renew periods, long before h1's backlog is done. The backend never sees more than 4."""
-    mock = MockServer(MockBehavior(latency_ms=300, max_concurrency=4))
-    await mock.start()
-    config = _small_config(redis_server.url, mock)
-    hosts = [Replica(tmp_path, f"h{i + 1}", config, workers=2) for i in range(2)]
+    few renew periods, long before h1's backlog (300 ms requests) is done. The backend never
+    sees more than 4."""
     followers: list[aiohttp.ClientSession] = []
-    async with _fresh_connections() as session:
-        try:
-            for rep in hosts:
-                rep.start()
-            for rep in hosts:
-                await rep.wait_ready(session)
-            await until(lambda: _both_leased(redis_server), 5, "both hosts leased")
-            followers = [await _follower_session(hosts[1]) for _ in range(2)]
-            started = time.monotonic()
-            busy = [asyncio.create_task(_ask(session, hosts[0])) for _ in range(60)]
+    try:
+        followers = [await _follower_session(hosts[1]) for _ in range(2)]
+        started = time.monotonic()
+        busy = [asyncio.create_task(_ask(session, hosts[0])) for _ in range(60)]
 
-            async def h2_idle() -> bool:
-                return await _lease_on(session, hosts[1]) == 0
+        async def h2_idle() -> bool:
+            return await _lease_on(session, hosts[1]) == 0
 
-            await until(h2_idle, 5, "the idle host's share went to the busy one")
-            late = time.monotonic()
-            mine = await asyncio.gather(*(_ask(f, hosts[1]) for f in followers))
-            served_in = time.monotonic() - late
-            theirs = await asyncio.gather(*busy)
-            backlog = time.monotonic() - started
-            await until(lambda: _quiet(session, hosts), 10, "quiet")
-        finally:
-            for f in followers:
-                await f.close()
-            for rep in hosts:
-                rep.stop()
-            await mock.stop()
+        await until(h2_idle, 5, "the idle host's share went to the busy one")
+        late = time.monotonic()
+        mine = await asyncio.gather(*(_ask(f, hosts[1]) for f in followers))
+        served_in = time.monotonic() - late
+        theirs = await asyncio.gather(*busy)
+        backlog = time.monotonic() - started
+        await until(lambda: _quiet(session, hosts), 10, "quiet")
+    finally:
+        for f in followers:
+            await f.close()
     assert [r.status for r in mine] == [200] * 2, [r.status for r in mine]
     assert [r.status for r in theirs] == [200] * 60
     assert mock.stats.peak_in_flight <= 4 and mock.stats.rejected == 0
@@ -322,9 +320,8 @@ def _workers_of(rep: Replica) -> list[int]:
     return [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
-async def test_a_worker_stopped_through_a_shrink_never_lets_its_host_overrun(
-    tmp_path: Path,
-    redis_server: RedisServer,  # noqa: F811
+async def _a_worker_stopped_through_a_shrink(
+    session: aiohttp.ClientSession, hosts: list[Replica], mock: MockServer
 ) -> None:
     """Host h1 is busy with all 4 slots; its worker that is not the member is stopped
     (SIGSTOP) while host h2's load makes h1's lease shrink, and resumed before that lease
@@ -335,52 +332,39 @@ async def test_a_worker_stopped_through_a_shrink_never_lets_its_host_overrun(
     answered 200, and at rest nothing runs. (The acknowledgement matters when the stopped
     worker held queued requests and few units — a timing this test does not force: it passed
     three runs out of three with the held floor switched off.)"""
-    mock = MockServer(MockBehavior(latency_ms=150, max_concurrency=4))
-    await mock.start()
-    config = _small_config(redis_server.url, mock)
-    hosts = [Replica(tmp_path, f"h{i + 1}", config, workers=2) for i in range(2)]
-    async with _fresh_connections() as session:
-        first, second = Load(session, [hosts[0]]), Load(session, [hosts[1]])
-        stopped: int | None = None
-        to_member: aiohttp.ClientSession | None = None
-        try:
-            for rep in hosts:
-                rep.start()
-            for rep in hosts:
-                await rep.wait_ready(session)
-            await until(lambda: _both_leased(redis_server), 5, "both hosts leased")
-            first.start(12)
+    first, second = Load(session, [hosts[0]]), Load(session, [hosts[1]])
+    stopped: int | None = None
+    to_member: aiohttp.ClientSession | None = None
+    try:
+        first.start(12)
 
-            async def h1_all() -> bool:
-                return await _lease_on(session, hosts[0]) == 4
+        async def h1_all() -> bool:
+            return await _lease_on(session, hosts[0]) == 4
 
-            await until(h1_all, 5, "the busy host holds the whole cap")
-            to_member = await _member_session(hosts[0])  # the stopped worker answers nothing
-            member = (await _host(to_member, hosts[0]))["member"]["pid"]
-            (stopped,) = [pid for pid in _workers_of(hosts[0]) if pid != member]
-            os.kill(stopped, signal.SIGSTOP)
-            second.start(12)
+        await until(h1_all, 5, "the busy host holds the whole cap")
+        to_member = await _member_session(hosts[0])  # the stopped worker answers nothing
+        member = (await _host(to_member, hosts[0]))["member"]["pid"]
+        (stopped,) = [pid for pid in _workers_of(hosts[0]) if pid != member]
+        os.kill(stopped, signal.SIGSTOP)
+        second.start(12)
 
-            async def h1_shrank() -> bool:
-                return await _lease_on(to_member, hosts[0]) < 4
+        async def h1_shrank() -> bool:
+            return await _lease_on(to_member, hosts[0]) < 4
 
-            await until(h1_shrank, 3, "the busy host's lease shrank for the other")
+        await until(h1_shrank, 3, "the busy host's lease shrank for the other")
+        os.kill(stopped, signal.SIGCONT)
+        stopped = None
+        await asyncio.sleep(1.5)
+        await first.stop()
+        await second.stop()
+        await until(lambda: _quiet(session, hosts), 10, "quiet")
+    finally:
+        if stopped is not None:
             os.kill(stopped, signal.SIGCONT)
-            stopped = None
-            await asyncio.sleep(1.5)
-            await first.stop()
-            await second.stop()
-            await until(lambda: _quiet(session, hosts), 10, "quiet")
-        finally:
-            if stopped is not None:
-                os.kill(stopped, signal.SIGCONT)
-            if to_member is not None:
-                await to_member.close()
-            first.cancel()
-            second.cancel()
-            for rep in hosts:
-                rep.stop()
-            await mock.stop()
+        if to_member is not None:
+            await to_member.close()
+        first.cancel()
+        second.cancel()
     results = first.results + second.results
     statuses = [r.status for r in results]
     assert statuses == [200] * len(results), {s: statuses.count(s) for s in set(statuses)}
@@ -463,9 +447,11 @@ async def _gateway_connections(redis: RedisServer) -> dict[str, int]:
     return out
 
 
-async def _limited(session: aiohttp.ClientSession, rep: Replica) -> tuple[int, dict[str, str]]:
+async def _limited(
+    session: aiohttp.ClientSession, rep: Replica, key: str = "sk-limited-0001"
+) -> tuple[int, dict[str, str]]:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    headers = {"Authorization": "Bearer sk-limited-0001"}
+    headers = {"Authorization": f"Bearer {key}"}
     try:
         async with session.post(
             rep.url + "/v1/chat/completions", json=body, headers=headers
@@ -476,24 +462,20 @@ async def _limited(session: aiohttp.ClientSession, rep: Replica) -> tuple[int, d
         return 0, {}  # a connection the killed worker held: no answer
 
 
-async def test_a_keys_rpm_holds_across_hosts_of_workers_with_one_redis_connection_each(
+async def test_a_keys_limit_holds_across_hosts_of_workers_and_on_the_static_share(
     tmp_path: Path,
     redis_server: RedisServer,  # noqa: F811
 ) -> None:
-    """SPEC §12 × §13: a key's limit once per gateway — two hosts of `--workers 2` on one
-    Redis, one key with `rpm: 10`, 30 requests on fresh connections spread over both hosts and
-    all four workers, h1's member killed (-9) while the second ten are sent: at most 10 succeed
-    (plus
-    the central bucket's refill while the test runs: 10/60 a second, so one more only if it
-    takes 6 s), the rest answer 429 with Retry-After and the limit headers; and Redis sees one
-    connection per host (named after its replica, before and after the kill: the workers that
-    are not the member never open one). At rest nothing is in flight or queued."""
+    """Per-key limits on two hosts of `--workers 2` on one Redis. Starting the six processes
+    costs seconds, so two facets share one run, in turn (each with its own key): a key's
+    `rpm: 10` held across the hosts through a kill -9 of h1's member, with one Redis connection
+    per host; then Redis killed, and another key's `rpm: 120` on h1's static share."""
     mock = MockServer(MockBehavior(latency_ms=5))
     await mock.start()
     config = _small_config(redis_server.url, mock)
     config["auth"]["keys"].append({"key": "sk-limited-0001", "name": "limited", "rpm": RPM})
+    config["auth"]["keys"].append({"key": STATIC_KEY, "name": "static", "rpm": STATIC_RPM})
     hosts = [Replica(tmp_path, f"h{i + 1}", config, workers=2) for i in range(2)]
-    answers: list[tuple[int, dict[str, str]]] = []
     async with _fresh_connections() as session:
         try:
             for rep in hosts:
@@ -501,29 +483,48 @@ async def test_a_keys_rpm_holds_across_hosts_of_workers_with_one_redis_connectio
             for rep in hosts:
                 await rep.wait_ready(session)
             await until(lambda: _both_leased(redis_server), 5, "both hosts leased")
-            before = await _gateway_connections(redis_server)
-            members = await _members(session, hosts[0])
-            assert len(members) == 1 and None not in members, members
-            (victim,) = members
-            started = time.monotonic()
-            answers += await asyncio.gather(*(_limited(session, hosts[i % 2]) for i in range(10)))
-            during = [asyncio.create_task(_limited(session, hosts[i % 2])) for i in range(10)]
-            os.kill(victim, signal.SIGKILL)
-            answers += await asyncio.gather(*during)
-
-            async def moved() -> bool:
-                pids = await _members(session, hosts[0])
-                return len(pids) == 1 and victim not in pids and None not in pids
-
-            await until(moved, 5, "the member role came back")
-            answers += await asyncio.gather(*(_limited(session, hosts[i % 2]) for i in range(10)))
-            elapsed = time.monotonic() - started
-            after = await _gateway_connections(redis_server)
-            await until(lambda: _quiet(session, hosts), 10, "quiet")
+            await _a_keys_rpm_holds_across_hosts_with_one_redis_connection_each(
+                session, hosts, redis_server
+            )
+            await _a_keys_host_allowance_on_the_static_share_while_redis_is_down(
+                session, hosts, redis_server
+            )
         finally:
             for rep in hosts:
                 rep.stop()
             await mock.stop()
+
+
+async def _a_keys_rpm_holds_across_hosts_with_one_redis_connection_each(
+    session: aiohttp.ClientSession, hosts: list[Replica], redis: RedisServer
+) -> None:
+    """SPEC §12 × §13: a key's limit once per gateway — one key with `rpm: 10`, 30 requests on
+    fresh connections spread over both hosts and all four workers, h1's member killed (-9)
+    while the second ten are sent: at most 10 succeed (plus the central bucket's refill while
+    the test runs: 10/60 a second, so one more only if it takes 6 s), the rest answer 429 with
+    Retry-After and the limit headers; and Redis sees one connection per host (named after its
+    replica, before and after the kill: the workers that are not the member never open one).
+    At rest nothing is in flight or queued."""
+    answers: list[tuple[int, dict[str, str]]] = []
+    before = await _gateway_connections(redis)
+    members = await _members(session, hosts[0])
+    assert len(members) == 1 and None not in members, members
+    (victim,) = members
+    started = time.monotonic()
+    answers += await asyncio.gather(*(_limited(session, hosts[i % 2]) for i in range(10)))
+    during = [asyncio.create_task(_limited(session, hosts[i % 2])) for i in range(10)]
+    os.kill(victim, signal.SIGKILL)
+    answers += await asyncio.gather(*during)
+
+    async def moved() -> bool:
+        pids = await _members(session, hosts[0])
+        return len(pids) == 1 and victim not in pids and None not in pids
+
+    await until(moved, 5, "the member role came back")
+    answers += await asyncio.gather(*(_limited(session, hosts[i % 2]) for i in range(10)))
+    elapsed = time.monotonic() - started
+    after = await _gateway_connections(redis)
+    await until(lambda: _quiet(session, hosts), 10, "quiet")
     statuses = [s for s, _ in answers]
     admitted = statuses.count(200)
     allowed = RPM + RPM / 60 * elapsed  # the central bucket full at the start, then its refill
@@ -541,9 +542,12 @@ async def test_a_keys_rpm_holds_across_hosts_of_workers_with_one_redis_connectio
     print(f"{admitted} of 30 admitted in {elapsed:.2f} s; Redis connections {before} / {after}")
 
 
-async def test_a_keys_host_allowance_on_the_static_share_while_redis_is_down(
-    tmp_path: Path,
-    redis_server: RedisServer,  # noqa: F811
+STATIC_KEY = "sk-limited-0002"
+STATIC_RPM = 120
+
+
+async def _a_keys_host_allowance_on_the_static_share_while_redis_is_down(
+    session: aiohttp.ClientSession, hosts: list[Replica], redis: RedisServer
 ) -> None:
     """SPEC §13 "Redis unreachable → static share", for a key's limit on a host of workers:
     Redis is killed; h1's member refills the host's allowance at the static share (`rpm: 120`
@@ -551,53 +555,36 @@ async def test_a_keys_host_allowance_on_the_static_share_while_redis_is_down(
     out (429 with Retry-After); then, with Redis still down, the refill admits the key again
     within a few seconds; over the whole time at most 60 plus the refill pass. h1 reports
     degraded, and at rest nothing is in flight or queued."""
-    rpm = 120
-    mock = MockServer(MockBehavior(latency_ms=5))
-    await mock.start()
-    config = _small_config(redis_server.url, mock)
-    config["auth"]["keys"].append({"key": "sk-limited-0001", "name": "limited", "rpm": rpm})
-    hosts = [Replica(tmp_path, f"h{i + 1}", config, workers=2) for i in range(2)]
     answers: list[tuple[int, dict[str, str]]] = []
-    async with _fresh_connections() as session:
-        try:
-            for rep in hosts:
-                rep.start()
-            for rep in hosts:
-                await rep.wait_ready(session)
-            await until(lambda: _both_leased(redis_server), 5, "both hosts leased")
 
-            async def split() -> bool:  # idle: the slots split evenly (the static share's)
-                return [await _lease_on(session, rep) for rep in hosts] == [2, 2]
+    async def split() -> bool:  # idle: the slots split evenly (the static share's)
+        return [await _lease_on(session, rep) for rep in hosts] == [2, 2]
 
-            await until(split, 5, "the idle hosts' even split")
-            started = time.monotonic()
-            redis_server.stop()
+    await until(split, 5, "the idle hosts' even split")
+    started = time.monotonic()
+    redis.stop()
 
-            async def degraded() -> bool:
-                state = (await hosts[0].state(session))["cluster"]
-                return bool(state["status"] == "degraded")
+    async def degraded() -> bool:
+        state = (await hosts[0].state(session))["cluster"]
+        return bool(state["status"] == "degraded")
 
-            await until(degraded, 5, "h1 on its static share")
-            answers += await asyncio.gather(*(_limited(session, hosts[0]) for _ in range(80)))
-            burst = [s for s, _ in answers]
+    await until(degraded, 5, "h1 on its static share")
+    answers += await asyncio.gather(*(_limited(session, hosts[0], STATIC_KEY) for _ in range(80)))
+    burst = [s for s, _ in answers]
 
-            async def admitted_again() -> bool:
-                answers.append(await _limited(session, hosts[0]))
-                return answers[-1][0] == 200
+    async def admitted_again() -> bool:
+        answers.append(await _limited(session, hosts[0], STATIC_KEY))
+        return answers[-1][0] == 200
 
-            refilled = await until(admitted_again, 6, "the key admitted again on the refill")
-            elapsed = time.monotonic() - started
-            state = (await hosts[0].state(session))["cluster"]
-            await until(lambda: _quiet(session, hosts), 10, "quiet")
-        finally:
-            for rep in hosts:
-                rep.stop()
-            await mock.stop()
+    refilled = await until(admitted_again, 6, "the key admitted again on the refill")
+    elapsed = time.monotonic() - started
+    state = (await hosts[0].state(session))["cluster"]
+    await until(lambda: _quiet(session, hosts), 10, "quiet")
     statuses = [s for s, _ in answers]
     admitted = statuses.count(200)
     assert set(statuses) <= {200, 429}, statuses
     assert 429 in burst, "80 at once ran the allowance out"
-    allowed = rpm / 2 + rpm / 2 / 60 * elapsed  # the static share held, then its refill
+    allowed = STATIC_RPM / 2 + STATIC_RPM / 2 / 60 * elapsed  # the static share, then its refill
     assert admitted <= allowed, f"{admitted} admitted in {elapsed:.1f} s, limit {allowed:.1f}"
     assert all("retry-after" in h for s, h in answers if s == 429)
     assert state["status"] == "degraded"
