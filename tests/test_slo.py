@@ -286,10 +286,14 @@ async def _warm(
     models: tuple[str, ...] = ("m",),
     streamed: bool = True,
     pools: tuple[str, ...] | None = None,
+    parallel: int = 4,
 ) -> None:
-    """Sequential streams (or, not `streamed`, non-streamed requests) to each of `models` until
-    every instance of every pool (or of `pools`) is calibrated (the model's p90 band holds
-    80-97 % of its samples: a loaded machine may take more samples than a quiet one)."""
+    """Streams (or, not `streamed`, non-streamed requests) to each of `models`, from
+    `parallel` clients each sending one after another, until every instance of every pool (or
+    of `pools`) is calibrated (the model's p90 band holds 80-97 % of its samples: a loaded
+    machine may take more samples than a quiet one). The mocks answer in the same time
+    whatever runs beside (`latency_ms`), so four clients teach the models what one would, in
+    a quarter of the time."""
 
     def calibrated(state: dict[str, Any]) -> bool:
         insts = [
@@ -304,8 +308,9 @@ async def _warm(
     client = client or _client(gw)
     try:
         deadline = time.monotonic() + 60
-        while True:
-            for _ in range(10):
+
+        async def sequential(client: openai.AsyncOpenAI) -> None:
+            for _ in range(max(1, 10 // parallel)):
                 for model in models:
                     if streamed:
                         await _stream(client, model)
@@ -313,6 +318,9 @@ async def _warm(
                         await client.chat.completions.create(
                             model=model, messages=[{"role": "user", "content": "warm up"}]
                         )
+
+        while True:
+            await asyncio.gather(*(sequential(client) for _ in range(parallel)))
             state = await gw.state()
             if calibrated(state):
                 return
@@ -378,7 +386,7 @@ async def test_a_waiter_whose_objective_is_lost_while_queued(
     m = await mocks(latency_ms=40)
     config = simple_config(pool_config((m, 1)), scheduler={"shed_unattainable": shed})
     gw = await gateway_factory(config)
-    await _warm(gw)
+    await _warm(gw, parallel=1)  # one slot: a second client would only queue
     m.configure(latency_ms=900)  # the model still expects ~40 ms
     async with _client(gw) as client:
         holder = asyncio.create_task(_ask(client))
