@@ -555,12 +555,13 @@ async def test_the_keys_own_rate_limit_is_a_wait_not_a_failure(
     auth = {"keys": [{"key": "k", "name": "limited", "rpm": 60}], "admin_key": "adm"}
     gw = await gateway_factory({**config(pool_config(m), tmp_path / "b.db"), "auth": auth})
     c = client(gw, "k")
-    b = await submit(c, jsonl(line(f"r{i}") for i in range(63)))
+    # one line past the minute's 60: it waits for the bucket's next token (~1 s), not fails
+    b = await submit(c, jsonl(line(f"r{i}") for i in range(61)))
     b = await wait_batch(c, b.id, within=20)
     assert b.status == "completed" and b.request_counts is not None
-    assert (b.request_counts.completed, b.request_counts.failed) == (63, 0)
+    assert (b.request_counts.completed, b.request_counts.failed) == (61, 0)
     assert await metric(gw, 'gateway_rejections_total{reason="rate_limited"}') >= 1
-    assert m.stats.requests_total == 63
+    assert m.stats.requests_total == 61
     await gw.assert_quiet()
 
 
@@ -811,22 +812,25 @@ async def test_realtime_keeps_its_wait_while_a_2000_line_batch_runs(
         raise AssertionError(f"realtime p99 (alone, beside a batch) in ms: {tries}")
 
 
-async def test_a_2000_line_batch_keeps_the_pools_slots_busy(
-    mocks: MockFactory, gateway_factory: GatewayFactory, tmp_path: Path, client: Clients
+@pytest.mark.parametrize("n", [600, pytest.param(2000, marks=pytest.mark.slow)])
+async def test_a_batch_keeps_the_pools_slots_busy(
+    mocks: MockFactory, gateway_factory: GatewayFactory, tmp_path: Path, client: Clients, n: int
 ) -> None:
     """Throughput floor: 4 slots answering in 20 ms allow ~200 lines/s (benches/README.md,
-    "Batch API throughput": ~170-180 lines/s measured, the same as plain low requests). 2,000
-    lines must finish within 40 s (>= 50 lines/s) — 30 lines/s would need 67 s; the test
-    machine, which also runs the mock and this client on the same loop, takes ~12-15 s. The
-    client polls once every 100 ms, as a client of a long batch would (not every 20 ms)."""
+    "Batch API throughput": ~170-180 lines/s measured, the same as plain low requests). The
+    lines must finish at >= 50 lines/s (2,000 within 40 s) — 30 lines/s would need 67 s; the
+    test machine, which also runs the mock and this client on the same loop, takes ~12-15 s
+    for 2,000. 600 lines by default (within 12 s: a runner sending one line at a time cannot
+    pass 50 lines/s, each takes 20 ms), 2,000 in `make test-slow`. The client polls once
+    every 100 ms, as a client of a long batch would (not every 20 ms)."""
     m = await mocks(latency_ms=20)
     gw = await gateway_factory(config(pool_config((m, 4)), tmp_path / "b.db"))
     c = client(gw)
-    n = 2000
+    budget = n / 50
     t0 = time.monotonic()
     b = await submit(c, jsonl(line(f"c{i}") for i in range(n)))
     while b.status not in FINAL:
-        assert time.monotonic() - t0 < 40, f"{b.request_counts} after 40 s"
+        assert time.monotonic() - t0 < budget, f"{b.request_counts} after {budget:.0f} s"
         await asyncio.sleep(0.1)
         b = await c.batches.retrieve(b.id)
     took = time.monotonic() - t0
