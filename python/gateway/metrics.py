@@ -1,9 +1,12 @@
 """Prometheus metrics (SPEC §9; the names are part of the contract).
 
-Counters and histograms are updated on the request path through cached label children (one
-dict lookup each). Gauges that mirror the core's state — queue depths, in-flight, instance
-states, ejections — are read from the core only when Prometheus scrapes, so they cost nothing
-per request and can never drift from the scheduler's own counters.
+Counters and histograms are counted on the request path in plain Python numbers per series
+(`_Tally`: one dict lookup and an addition each, no lock and no prometheus-client call), folded
+into their prometheus-client series whenever the registry is read — a scrape, a workers'
+snapshot — so every read sees every request counted. Gauges that mirror the core's state —
+queue depths, in-flight, instance states, ejections — are read from the core only when
+Prometheus scrapes, so they cost nothing per request and can never drift from the scheduler's
+own counters.
 
 Labels are bounded: pool and instance names come from the config, priority and state from
 the core's enums, `code` is an HTTP status, `reason` one of a fixed set, `kind` prompt or
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -103,6 +107,65 @@ REASONS = (
     "malformed_request",
     "internal_error",
 )
+
+
+class _Tally(Collector):
+    """The request path's counts not yet in their series (issue 25: prometheus-client's
+    `inc` and `observe` take a lock and a few Python calls each, ~2-4 µs a request for the
+    nine of them). A counter cell is a list of counts, each with the `inc`s it is folded
+    into; a histogram cell is its child's bucket counts (not cumulative, as prometheus-client
+    keeps them) and its sum. Registered first in its registry, so every read of it (`collect`)
+    folds them before any series is read. Everything that counts runs on the event loop's
+    thread, as every read does."""
+
+    def __init__(self) -> None:
+        self._counters: list[tuple[list[int], tuple[tuple[Callable[[float], None], ...], ...]]]
+        self._counters = []
+        self._histograms: list[tuple[list[float], Any]] = []
+
+    def counter(self, *incs: tuple[Callable[[float], None], ...]) -> list[int]:
+        """A cell of one count per entry of `incs`, each folded into that entry's `inc`s."""
+        cell = [0] * len(incs)
+        self._counters.append((cell, incs))
+        return cell
+
+    def histogram(self, child: Any) -> tuple[list[float], list[float]]:
+        """(upper bounds, cell) of histogram series `child`: observing `v` is
+        `cell[bisect_left(bounds, v)] += 1; cell[-1] += v` (the bucket `observe` picks: the
+        first bound not below `v`)."""
+        bounds: list[float] = list(child._upper_bounds)
+        cell: list[float] = [0] * len(bounds) + [0.0]
+        self._histograms.append((cell, child))
+        return bounds, cell
+
+    def fold(self) -> None:
+        for cell, incs in self._counters:
+            for i, n in enumerate(cell):
+                if n:
+                    cell[i] = 0
+                    for inc in incs[i]:
+                        inc(n)
+        for hcell, child in self._histograms:
+            buckets = child._buckets
+            for i in range(len(buckets)):
+                count = hcell[i]
+                if count:
+                    hcell[i] = 0
+                    buckets[i].inc(count)
+            total = hcell[-1]
+            if total:
+                hcell[-1] = 0.0
+                child._sum.inc(total)
+
+    def reset(self) -> None:
+        """Folds, then forgets every cell (their holders drop them too)."""
+        self.fold()
+        self._counters.clear()
+        self._histograms.clear()
+
+    def collect(self) -> Iterator[Metric]:
+        self.fold()
+        return iter(())
 
 
 class _CoreCollector(Collector):
@@ -272,6 +335,9 @@ class Metrics:
         # What this process counts (snapshotted for the other workers), and what a scrape
         # reads: that plus the live state collectors.
         r = self._own = CollectorRegistry(auto_describe=False)
+        # First in the registry: every read folds the request path's counts first.
+        self._tally = _Tally()
+        r.register(self._tally)
         self.registry = CollectorRegistry(auto_describe=False)
         self._share = _Shared(r, share_dir) if share_dir is not None else None
         self.registry.register(self._share if self._share is not None else r)
@@ -403,14 +469,13 @@ class Metrics:
         if restarts_path is not None:
             self.registry.register(_RestartsCollector(restarts_path))
         self._children: dict[tuple[Any, ...], Any] = {}
-        # The per-request calls' children, bound methods by the call's own arguments: one
-        # lookup a call instead of one `_child` key built per series (~2 µs a request).
-        # Bounded like `_children` (names from the config, status codes); the key-labelled
-        # ones are dropped with the keys a reload removes (`keep_keys`).
-        self._done: dict[tuple[Any, ...], tuple[Callable[[], None], Callable[[], None]]] = {}
-        self._timed: dict[tuple[str, str], tuple[Any, Any]] = {}
-        self._waits: dict[tuple[str, str], Callable[[float], None]] = {}
-        self._used: dict[tuple[str, str, str], tuple[Any, ...]] = {}
+        # The per-request calls' tally cells (`_Tally`), by the call's own arguments: one
+        # lookup and an addition a call. Bounded like `_children` (names from the config,
+        # status codes); all dropped (after folding) when a reload removes keys (`keep_keys`).
+        self._done: dict[tuple[Any, ...], list[int]] = {}
+        self._timed: dict[tuple[str, str], tuple[list[float], list[float], list[float]]] = {}
+        self._waits: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
+        self._used: dict[tuple[str, str, str], list[int]] = {}
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), *labels)
@@ -423,15 +488,16 @@ class Metrics:
         self, pool: str | None, priority: str | None, status: int, key: str = NO_KEY
     ) -> None:
         """One answered request; `key` is the caller's key *name* (`NO_KEY` when none)."""
-        incs = self._done.get((pool, priority, status, key))
-        if incs is None:
+        cell = self._done.get((pool, priority, status, key))
+        if cell is None:
             code = str(status)
-            incs = self._done[(pool, priority, status, key)] = (
-                self._child(self.requests, pool or "", priority or "", code).inc,
-                self._child(self.key_requests, key, code).inc,
+            cell = self._done[(pool, priority, status, key)] = self._tally.counter(
+                (
+                    self._child(self.requests, pool or "", priority or "", code).inc,
+                    self._child(self.key_requests, key, code).inc,
+                )
             )
-        incs[0]()
-        incs[1]()
+        cell[0] += 1
 
     def slo_request(self, pool: str, priority: str, result: str) -> None:
         """SPEC §17: one request with an objective, `met`, `missed` or `shed`."""
@@ -448,8 +514,11 @@ class Metrics:
                     with contextlib.suppress(KeyError):
                         metric.remove(*labels)
                     self._children.pop((id(metric), *labels), None)
+        self._tally.reset()
         self._done.clear()
         self._used.clear()
+        self._waits.clear()
+        self._timed.clear()
         for name in keep:
             for kind in ("prompt", "completion"):
                 self._child(self.key_tokens, name, kind)
@@ -458,11 +527,13 @@ class Metrics:
         """A slot grant after `seconds` in the queue; `trace_id` (hex, of a sampled trace)
         becomes the bucket's exemplar."""
         if trace_id is None or not self.exemplars:
-            observe = self._waits.get((pool, priority))
-            if observe is None:
-                observe = self._child(self.queue_wait, pool, priority).observe
-                self._waits[(pool, priority)] = observe
-            observe(seconds)
+            tally = self._waits.get((pool, priority))
+            if tally is None:
+                child = self._child(self.queue_wait, pool, priority)
+                tally = self._waits[(pool, priority)] = self._tally.histogram(child)
+            bounds, cell = tally
+            cell[bisect_left(bounds, seconds)] += 1
+            cell[-1] += seconds
         else:
             self._child(self.queue_wait, pool, priority).observe(seconds, {"trace_id": trace_id})
 
@@ -479,13 +550,15 @@ class Metrics:
         if trace_id is None or not self.exemplars:
             timed = self._timed.get((pool, instance))
             if timed is None:
-                timed = self._timed[(pool, instance)] = (
-                    self._child(self.ttfb, pool, instance).observe,
-                    self._child(self.upstream_latency, pool, instance).observe,
-                )
+                bounds, first = self._tally.histogram(self._child(self.ttfb, pool, instance))
+                _, whole = self._tally.histogram(self._child(self.upstream_latency, pool, instance))
+                timed = self._timed[(pool, instance)] = (bounds, first, whole)
+            bounds, first, whole = timed
             if ttfb is not None:
-                timed[0](ttfb)
-            timed[1](total)
+                first[bisect_left(bounds, ttfb)] += 1
+                first[-1] += ttfb
+            whole[bisect_left(bounds, total)] += 1
+            whole[-1] += total
             return
         exemplar = {"trace_id": trace_id}
         if ttfb is not None:
@@ -510,21 +583,23 @@ class Metrics:
         self, pool: str, instance: str, usage: dict[str, Any], key: str = NO_KEY
     ) -> None:
         """An attempt's upstream `usage`, counted per instance and per client key name."""
-        incs = self._used.get((pool, instance, key))
-        if incs is None:
-            incs = self._used[(pool, instance, key)] = tuple(
-                self._child(metric, *labels, kind).inc
-                for kind in ("prompt", "completion")
-                for metric, labels in ((self.tokens, (pool, instance)), (self.key_tokens, (key,)))
+        cell = self._used.get((pool, instance, key))
+        if cell is None:
+            cell = self._used[(pool, instance, key)] = self._tally.counter(
+                *(
+                    (
+                        self._child(self.tokens, pool, instance, kind).inc,
+                        self._child(self.key_tokens, key, kind).inc,
+                    )
+                    for kind in ("prompt", "completion")
+                )
             )
         n = usage.get("prompt_tokens")
         if n.__class__ is int and n > 0:
-            incs[0](n)
-            incs[1](n)
+            cell[0] += n
         n = usage.get("completion_tokens")
         if n.__class__ is int and n > 0:
-            incs[2](n)
-            incs[3](n)
+            cell[1] += n
 
     def watch_spans(self, dropped: Callable[[], int]) -> None:
         """Exposes `gateway_trace_spans_dropped_total` from `dropped()` (tracing on only;
