@@ -9,6 +9,11 @@ wrk counted. For "which commit costs what" on a shared machine, where throughput
 `--tree NAME=PATH,ARG,...` passes ARGs to that tree's `gateway serve` alone, e.g. the same
 tree with and without its access log: `--tree on=. --tree off=.,--no-access-log`.
 
+`--together`: every tree's gateway runs at the same time (all on core 0, one wrk each on core
+1, each round with fresh processes), so whatever else the machine runs meanwhile weighs on all
+of them alike: on a loaded machine the differences between trees hold within a few µs where
+one after the other they swing by ±10 %.
+
 A tree is a checkout's root with its extension built into python/gateway (see compare.py's
 prepare_base, or `maturin build --release` in a worktree and the wheel's _core.abi3.so copied).
 """
@@ -19,6 +24,7 @@ import argparse
 import os
 import shutil
 import statistics
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from _harness import CLK_TCK, PY, Processes, free_port, one_pool_config, run_wrk, wait_port
@@ -55,6 +61,40 @@ def cpu_us(
     return (u1 - u0) / r.requests * 1e6, (s1 - s0) / r.requests * 1e6
 
 
+def cpu_us_together(
+    trees: list[tuple[str, Path, list[str]]], mock_port: int, args: argparse.Namespace
+) -> dict[str, tuple[float, float]]:
+    """(user, system) CPU µs per request of each tree's gateway, all loaded at once."""
+    body = STREAM_BODY if args.stream else BODY
+    with Processes() as procs:
+        urls, pids, tmps = [], [], []
+        for _, tree, own in trees:
+            port = free_port()
+            tmp, cfg = one_pool_config(port, mock_port, max_concurrency=1000)
+            tmps.append(tmp)
+            extra = (["--no-access-log"] if args.no_access_log else []) + own
+            env = {**os.environ, "PYTHONPATH": str(tree.resolve() / "python")}
+            log = (tmp / "gateway.log").open("wb")
+            gw = procs.spawn(
+                "0", PY, "-m", "gateway.cli", "serve", "--config", str(cfg), *extra,
+                env=env, output=log,
+            )  # fmt: skip
+            wait_port(port, proc=gw)
+            urls.append(f"http://127.0.0.1:{port}/v1/chat/completions")
+            pids.append(gw.pid)
+        with ThreadPoolExecutor(len(trees)) as pool:
+            list(pool.map(lambda u: run_wrk(u, args.conns, 1.0, body), urls))  # warm up
+            before = [user_sys(p) for p in pids]
+            results = list(pool.map(lambda u: run_wrk(u, args.conns, args.duration, body), urls))
+            after = [user_sys(p) for p in pids]
+    for tmp in tmps:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        name: ((u1 - u0) / r.requests * 1e6, (s1 - s0) / r.requests * 1e6)
+        for (name, _, _), (u0, s0), (u1, s1), r in zip(trees, before, after, results, strict=True)
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree", action="append", required=True, help="name=path")
@@ -63,6 +103,7 @@ def main() -> int:
     ap.add_argument("--conns", type=int, default=64)
     ap.add_argument("--stream", action="store_true")
     ap.add_argument("--no-access-log", action="store_true")
+    ap.add_argument("--together", action="store_true", help="all trees at once (see above)")
     args = ap.parse_args()
     trees = []
     for spec in args.tree:
@@ -77,8 +118,10 @@ def main() -> int:
         wait_port(mock_port)
         for rnd in range(args.rounds):
             k = rnd % len(trees)
-            for name, tree, own in trees[k:] + trees[:k]:
-                user, system = cpu_us(tree, mock_port, args, own)
+            order = trees[k:] + trees[:k]
+            together = cpu_us_together(order, mock_port, args) if args.together else {}
+            for name, tree, own in order:
+                user, system = together.get(name) or cpu_us(tree, mock_port, args, own)
                 runs[name].append(user + system)
                 split[name].append((user, system))
                 print(

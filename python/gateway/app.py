@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
+from multidict import istr
 
 from gateway import logs, slo, telemetry
 from gateway._core import Priority
@@ -79,6 +80,10 @@ Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 _SAFE_ID = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
 _JSON = "application/json"
+# Header names as aiohttp's case-insensitive headers keep them: a look-up with a plain str
+# folds its case first (~70 ns each, per request).
+_CONTENT_TYPE = istr("Content-Type")
+_X_REQUEST_ID = istr("X-Request-Id")
 
 
 class _Protocol(RequestHandler):
@@ -397,7 +402,8 @@ class Gateway:
             self._active.discard(task)
             if not self._active and self._idle is not None:
                 self._idle.set()
-        if isinstance(answer, web.StreamResponse):
+        # Not `isinstance(answer, web.StreamResponse)`: an ABC (MutableMapping), ~0.3 µs.
+        if not isinstance(answer, GatewayError):
             return answer
         return error_response(answer, ex.headers())
 
@@ -496,7 +502,7 @@ class Gateway:
             log.exception("unhandled error", extra={"fields": {"id": ex.request_id}})
             answer = InternalError("Internal gateway error.")
             ex.status, ex.error = 500, "internal_error"
-        if isinstance(answer, web.StreamResponse):
+        if not isinstance(answer, GatewayError):  # a response
             ex.status = ex.status or answer.status
         self._observe(ex)
         self._log(ex)
@@ -682,7 +688,7 @@ class Gateway:
 
     async def _read_body(self, request: web.BaseRequest, watchdog: Watchdog) -> bytes:
         cfg = self.runtime.config
-        ctype = request.headers.get("Content-Type", "")
+        ctype = request.headers.get(_CONTENT_TYPE, "")
         mime = ctype.split(";", 1)[0].strip().lower()
         if mime != _JSON and not mime.endswith("+json"):
             raise InvalidRequest(
@@ -749,12 +755,12 @@ class Gateway:
                 break
             ex.pool = pool_name
             result = await self._try_pool(request, ex, endpoint, body, ticket, tenant, pool)
-            if isinstance(result, web.StreamResponse):
-                return result
             if isinstance(result, AttemptError):
                 last_error = result
-            else:
+            elif isinstance(result, int):
                 unavailable_ms = result
+            else:
+                return result
             # SPEC §6: "then on the pool's fallback pool".
             pool_name = pool.spec.fallback
         if last_error is not None:
@@ -928,7 +934,7 @@ class _Line:
 
 def _given_id(request: web.BaseRequest) -> str | None:
     """The client's `X-Request-Id` if it is one we may echo (else the gateway makes one)."""
-    given = request.headers.get("X-Request-Id")
+    given = request.headers.get(_X_REQUEST_ID)
     if given and len(given) <= 128 and _SAFE_ID.issuperset(given):
         return given
     return None
