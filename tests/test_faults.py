@@ -239,7 +239,7 @@ async def test_probe_passing_while_requests_fail_keeps_the_instance_out(
     gw = await gateway_factory(
         two_pool_config(
             pool_config(liar, ok),
-            health={"ejection_ms": 200, "probe": {"interval_ms": 50, "timeout_ms": 200}},
+            health={"ejection_ms": 100, "probe": {"interval_ms": 50, "timeout_ms": 200}},
         ),
         probes=True,
     )
@@ -247,7 +247,8 @@ async def test_probe_passing_while_requests_fail_keeps_the_instance_out(
         assert (await _post(gw))[0] == 200
     first = _instance(await gw.state(), liar)
     assert first["ejections"] == 1
-    deadline = time.monotonic() + 4
+    # ejections of 100, 200, 400, 800 ms: about five fit in 2 s, as 200 ms doubling in 4 s
+    deadline = time.monotonic() + 2
     while time.monotonic() < deadline:
         assert (await _post(gw))[0] == 200
         await asyncio.sleep(0.05)
