@@ -765,7 +765,7 @@ class Forwarder:
         arm, clock = watchdog.arm, watchdog.loop.time
         write, buffered = transport.write, transport.get_write_buffer_size
         is_closing = transport.is_closing
-        scrub = self._scrub_events
+        scrub, feed, scrub_key = self._scrub_events, checker.feed, upstream.scrub
         last = b""
 
         def sink(data: bytes) -> bool:
@@ -773,14 +773,15 @@ class Forwarder:
             if is_closing():
                 return False  # the client left; the task learns it from its cancellation
             arm(min(clock() + idle, deadline))
-            out = checker.feed(data)
+            out = feed(data)
             if checker.done:
                 # `[DONE]`: kept for the stream's end, written with the last chunk in one
                 # piece (one send for both, not two).
                 last = scrub(upstream, out, checker) if out else b""
                 return False
             if out:
-                out = scrub(upstream, out, checker)
+                # `_scrub_events`, its common case (no error event) inline
+                out = scrub(upstream, out, checker) if checker.error_seen else scrub_key(out)
                 write(b"%x\r\n%b\r\n" % (len(out), out))
                 if buffered() > _CLIENT_HIGH_WATER:
                     resp_up.pause_reading()

@@ -337,7 +337,7 @@ class _Conn(asyncio.Protocol):
             text = line + data[pos:end] if line else data[pos:end]
             line = b""
             try:
-                size = int(text.split(b";", 1)[0], 16)
+                size = int(text if b";" not in text else text[: text.index(b";")], 16)
             except ValueError:
                 # not a size: llhttp refuses the line itself (and says why)
                 self._scan = False

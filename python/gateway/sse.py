@@ -116,8 +116,23 @@ class SseChecker:
                 raise EventTooLarge(
                     f"a stream event exceeded limits.max_event_bytes ({self.max_event_bytes})"
                 )
-            if self._data(chunk[5:-2].strip()):
-                self.done = True
+            payload = chunk[5:-2].strip()
+            if self.finish_reasons is not None or payload == b"[DONE]":
+                if self._data(payload):
+                    self.done = True
+                return chunk
+            # `_data` of an untraced stream's event, inline (the relay's per-event path).
+            self.data_events += 1
+            try:
+                obj = _event.decode(payload)
+            except msgspec.ValidationError:
+                return chunk  # JSON, but not an object: nothing for us in it
+            except msgspec.DecodeError:
+                raise MalformedEvent("a stream event was not JSON") from None
+            if obj.usage:
+                self.usage = obj.usage
+            if obj.error is not None:
+                self._error(obj.error)
             return chunk
         if self._pending:
             shift = len(self._last)
@@ -212,8 +227,11 @@ class SseChecker:
         if isinstance(obj, _TracedEvent) and obj.choices:
             add_reasons(self.finish_reasons, (c.finish_reason for c in obj.choices))
         if obj.error is not None:
-            err = obj.error
-            msg = err.get("message") if isinstance(err, dict) else err
-            self.upstream_error = str(msg)[:200]
-            self.error_seen = True
+            self._error(obj.error)
         return False
+
+    def _error(self, err: Any) -> None:
+        """An event's `error` (vLLM reports a failure mid-stream this way)."""
+        msg = err.get("message") if isinstance(err, dict) else err
+        self.upstream_error = str(msg)[:200]
+        self.error_seen = True
