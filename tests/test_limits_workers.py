@@ -104,6 +104,40 @@ async def _buffered(gw: Workers, expect: int, within: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
+async def _held_or_answered(
+    gw: Workers, reader: asyncio.StreamReader, held: int, within: float = 10.0
+) -> int | None:
+    """An upload's fate, awaited rather than slept for: the status the gateway answered, or
+    None once the host counts `held` bytes and it is still unanswered 0.2 s later."""
+    deadline = time.monotonic() + within
+    while True:
+        status = await _status(reader, 0.02)
+        if status is not None:
+            return status
+        if (await gw.state())["buffered_bytes"] == held:
+            return await _status(reader, 0.2)
+        assert time.monotonic() < deadline, "an upload neither held nor answered"
+
+
+def _proc_state(pid: int) -> str | None:
+    """The state letter `ps` shows for `pid` (None: gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+async def _exited(pid: int, within: float = 10.0) -> None:
+    """Until `pid` has exited (gone, or a zombie: its sockets closed either way)."""
+    deadline = time.monotonic() + within
+    while True:
+        if _proc_state(pid) in (None, "Z", "X"):
+            return
+        assert time.monotonic() < deadline, f"{pid} still running"
+        await asyncio.sleep(0.01)
+
+
 async def test_max_buffered_bytes_holds_per_host_and_a_killed_workers_bytes_come_back(
     tmp_path: Path, mocks: MockFactory
 ) -> None:
@@ -114,11 +148,11 @@ async def test_max_buffered_bytes_holds_per_host_and_a_killed_workers_bytes_come
     m = await mocks()
     extra = "limits: {max_buffered_bytes: 10000, body_timeout_ms: 30000}"
     async with workers(tmp_path, 2, _instances((m, 4)), extra) as gw:
-        uploads = []
+        uploads: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         answered: Counter[int | None] = Counter()
         for _ in range(6):
             reader, writer = await _upload(gw.url, 3000, 6000)
-            status = await _status(reader, 1.0)
+            status = await _held_or_answered(gw, reader, 3000 * (len(uploads) + 1))
             answered[status] += 1
             if status is None:
                 uploads.append((reader, writer))
@@ -132,7 +166,7 @@ async def test_max_buffered_bytes_holds_per_host_and_a_killed_workers_bytes_come
         for slot in (0, 1):
             pid = gw.slots()[slot]
             os.kill(pid, signal.SIGKILL)
-            await asyncio.sleep(0.5)
+            await _exited(pid)  # its sockets are closed
             alive = [u for u in uploads if await _status(u[0], 0.2) is None]
             if len(alive) < len(uploads):
                 break
