@@ -24,16 +24,12 @@ class AccessValues:
     chose: that one is redacted (SPEC §7: no key in any log line); an id the gateway made
     (`id_prefix` + its ticket) is not."""
 
-    __slots__ = ("_prefix", "_redactor")
+    __slots__ = ("_redactor", "prefix")
 
     def __init__(self, id_prefix: str, redactor: Redactor) -> None:
-        self._prefix = id_prefix
+        #: The prefix of the request ids the gateway makes (`logs.AccessSource`).
+        self.prefix = id_prefix
         self._redactor = redactor
-
-    @property
-    def prefix(self) -> str:
-        """The prefix of the request ids the gateway makes (`logs.AccessSource`)."""
-        return self._prefix
 
     def values(self, ex: Exchange, now: float) -> tuple[Any, ...]:
         # Exchange's properties (`usage`, `priority_label`, `has_objective`) read inline: this
@@ -42,7 +38,7 @@ class AccessValues:
         attempt = ex.attempt
         usage = attempt.usage if attempt is not None else None
         rid = ex.request_id
-        prefix = self._prefix
+        prefix = self.prefix
         if not (rid.startswith(prefix) and rid[len(prefix) :].isdigit()):
             rid = self._redactor.redact(rid)
         if usage:

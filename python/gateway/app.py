@@ -84,6 +84,7 @@ _JSON = "application/json"
 # folds its case first (~70 ns each, per request).
 _CONTENT_TYPE = istr("Content-Type")
 _X_REQUEST_ID = istr("X-Request-Id")
+_NOSNIFF_NAME = istr("X-Content-Type-Options")
 
 
 class _Protocol(RequestHandler):
@@ -307,7 +308,7 @@ class Gateway:
             except Exception:
                 resp = self._internal_error(request)
         if not resp.prepared:
-            resp.headers["X-Content-Type-Options"] = NOSNIFF
+            resp.headers[_NOSNIFF_NAME] = NOSNIFF
             if self.draining:
                 # SPEC §7 drain: a keep-alive client reconnects (through its load balancer, to
                 # a ready replica) instead of holding on to this one. Only where the head is

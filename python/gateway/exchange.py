@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from multidict import istr
+
 from gateway._core import Prefix, Priority
 from gateway.deadline import Watchdog
 from gateway.router import Decision
@@ -13,6 +15,19 @@ if TYPE_CHECKING:
     from gateway.telemetry import RequestSpan
 
 __all__ = ["Attempt", "Exchange"]
+
+# The response headers' names as aiohttp's case-insensitive headers keep them: a response
+# built from str names folds each one's case (~1.1 µs for the nine of a request, 0.35 as istr).
+_REQUEST_ID = istr("X-Request-Id")
+_POOL = istr("X-Gateway-Pool")
+_PRIORITY = istr("X-Gateway-Priority")
+_COMPLEXITY = istr("X-Gateway-Complexity")
+_INSTANCE = istr("X-Gateway-Instance")
+_QUEUE_MS = istr("X-Gateway-Queue-Ms")
+_AFFINITY = istr("X-Gateway-Affinity")
+_AFFINITY_MATCH = istr("X-Gateway-Affinity-Match")
+_SPILLED_FROM = istr("X-Gateway-Spilled-From")
+_SLO = istr("X-Gateway-SLO")
 
 
 @dataclass(slots=True)
@@ -98,23 +113,23 @@ class Exchange:
         return (self.waited_as or d.priority).label if d is not None else None
 
     def headers(self) -> dict[str, str]:
-        h = {"X-Request-Id": self.request_id}
+        h: dict[str, str] = {_REQUEST_ID: self.request_id}
         d = self.decision
         if d is not None:
-            h["X-Gateway-Pool"] = self.pool or d.pool
-            h["X-Gateway-Priority"] = (self.waited_as or d.priority).label
-            h["X-Gateway-Complexity"] = d.complexity_header
+            h[_POOL] = self.pool or d.pool
+            h[_PRIORITY] = (self.waited_as or d.priority).label
+            h[_COMPLEXITY] = d.complexity_header
         if self.instance is not None:
-            h["X-Gateway-Instance"] = self.instance
-            h["X-Gateway-Queue-Ms"] = f"{self.queue_ms:.1f}"
-            h["X-Gateway-Affinity"] = self.affinity
+            h[_INSTANCE] = self.instance
+            h[_QUEUE_MS] = f"{self.queue_ms:.1f}"
+            h[_AFFINITY] = self.affinity
             if self.affinity_match is not None:
-                h["X-Gateway-Affinity-Match"] = str(self.affinity_match)
+                h[_AFFINITY_MATCH] = str(self.affinity_match)
         if self.spilled_from is not None:
-            h["X-Gateway-Spilled-From"] = self.spilled_from
+            h[_SPILLED_FROM] = self.spilled_from
         if d is not None:
             # SPEC §17: `met`, `missed` (an error is never met) or `none` (no objective).
-            h["X-Gateway-SLO"] = self.slo or ("missed" if self.has_objective else "none")
+            h[_SLO] = self.slo or ("missed" if self.has_objective else "none")
         if self.limit_headers:
             h.update(self.limit_headers)
         return h
