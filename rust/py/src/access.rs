@@ -79,7 +79,10 @@ impl Line<'_> {
 
     fn int(&mut self, key: &str, i: i64) {
         self.key(key);
-        let _ = write!(Bytes(self.buf), "{i}");
+        if i < 0 {
+            self.buf.push(b'-');
+        }
+        digits(self.buf, i.unsigned_abs(), 1);
     }
 
     /// `round(x, 1)` as `repr()` (text) and orjson (JSON) write it: exact decimal rounding,
@@ -149,13 +152,22 @@ fn fixed(buf: &mut Vec<u8>, x: f64, places: u32) {
     if x.is_sign_negative() {
         buf.push(b'-');
     }
-    let _ = write!(
-        Bytes(buf),
-        "{}.{:0width$}",
-        n / scale,
-        n % scale,
-        width = places as usize
-    );
+    digits(buf, n / scale, 1);
+    buf.push(b'.');
+    digits(buf, n % scale, places as usize);
+}
+
+/// `n` in decimal, zero-padded to `width` digits (no `core::fmt`: this runs once per request
+/// field, between requests, where less code is less to fetch).
+fn digits(buf: &mut Vec<u8>, mut n: u64, width: usize) {
+    let mut tmp = [b'0'; 20];
+    let mut at = tmp.len();
+    while n > 0 || tmp.len() - at < width {
+        at -= 1;
+        tmp[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+    }
+    buf.extend_from_slice(&tmp[at..]);
 }
 
 /// A token count of the upstream's `usage`: an `int` (not a bool), not negative; else None.
