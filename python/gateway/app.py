@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -379,10 +380,8 @@ class Gateway:
     # ---- the proxy -----------------------------------------------------------------------
 
     def _proxy_handler(self, endpoint: Endpoint) -> Handler:
-        async def handler(request: web.BaseRequest) -> web.StreamResponse:
-            return await self.proxy(request, endpoint)
-
-        return handler
+        # `proxy`'s own coroutine: no wrapping one to create and resume per request
+        return functools.partial(self.proxy, endpoint=endpoint)
 
     def _task(self) -> asyncio.Task[Any]:
         loop = self._loop
