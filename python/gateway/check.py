@@ -9,11 +9,13 @@ telemetry endpoint as scheme, host and port.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 from gateway import telemetry
 from gateway.config import MASK, Config
+from gateway.config.schema import default_replica_id
 from gateway.errors import ConfigError
 
 __all__ = ["describe", "describe_errors", "masked_url"]
@@ -208,8 +210,13 @@ def _operations(c: Config, env: Mapping[str, str] | None) -> list[str]:
         lines.append("cluster     off (one node)")
         return lines
     cl = c.cluster
+    # The default id is "host name + pid" of the serving process (with --workers, of the
+    # supervisor): this check's own pid would name a replica that never runs.
+    replica = cl.replica_id
+    if replica == default_replica_id():
+        replica = f"{socket.gethostname()}-<pid of serve>"
     lines.append(
-        f"cluster     redis={masked_url(cl.redis_url)} replica_id={cl.replica_id} "
+        f"cluster     redis={masked_url(cl.redis_url)} replica_id={replica} "
         f"lease_ms={cl.lease_ms} renew_ms={cl.renew_ms}"
     )
     if not _is_postgres(b.store):
