@@ -695,12 +695,14 @@ class Gateway:
                 f"Content-Type must be application/json, not {mime or 'missing'!r}.",
             )
         limit = cfg.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
+        length = request.content_length  # parsed from the header at each read
+        if length is not None and length > limit:
             raise _too_large(limit)
         content = request.content
         if content.is_eof():
-            # The whole body came with the head (the usual case): no waiting, no timer.
-            body = await content.read()
+            # The whole body came with the head (the usual case): no waiting, no timer, and
+            # no coroutine (`read()` runs two `readany()` to find the end it already knows).
+            body = content.read_nowait()
             if len(body) > limit:
                 raise _too_large(limit)
             return body
@@ -889,12 +891,14 @@ class Gateway:
     def _observe(self, ex: Exchange) -> None:
         d = ex.decision
         pool = ex.pool or (d.pool if d else None)
-        self.metrics.request_done(pool, ex.priority_label, ex.status, ex.key_name or NO_KEY)
-        if ex.has_objective:
+        # `ex.priority_label` and `ex.has_objective`, inline (once per request: no calls)
+        label = (ex.waited_as or d.priority).label if d is not None else None
+        self.metrics.request_done(pool, label, ex.status, ex.key_name or NO_KEY)
+        if ex.slo_ttft_ms is not None or ex.slo_tpot_ms is not None:
             # SPEC §17 goodput: every request with an objective counts once — met, missed
             # (late, failed, timed out, or its client left) or shed.
             result = ex.slo_result or "missed"
-            self.metrics.slo_request(pool or "", ex.priority_label or "", result)
+            self.metrics.slo_request(pool or "", label or "", result)
             served_by = self.runtime.pools.get(pool) if pool else None
             if served_by is not None:
                 served_by.note_slo(result)  # the dashboard's goodput tile
