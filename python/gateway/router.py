@@ -27,9 +27,11 @@ _X_PRIORITY = istr("X-Priority")
 _X_COMPLEXITY = istr("X-Complexity")
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Decision:
-    """Where one request goes and why."""
+    """Where one request goes and why. A value: never changed once made (another pool is a
+    new one, `dataclasses.replace`). Not `frozen=True`, whose `__init__` sets each field
+    through `object.__setattr__`: 0.58 against 0.16 µs, once per request (issue 25)."""
 
     pool: str
     priority: Priority
