@@ -12,9 +12,12 @@ as in cluster.py, wrk on core 1. For each connection count wrk runs against `off
 alternately, `--rounds` times each (which goes first alternates); reported: the medians of
 req/s, p50/p99, the CPU time per request of the gateway's whole process tree (supervisor and
 workers, /proc), their on/off ratios, each round's CPU ratio (the spread: the machine is shared),
-and Redis's script calls per request (the background syncs only).
+and Redis's script calls per request (the background syncs only). Before the load, both gateways'
+idle CPU per process (`--idle` seconds, both measured over the same seconds): the background
+work the composition adds (the member's syncs and publication, the other worker's following),
+a fixed CPU per second whose share per request is larger the lower the rate.
 
-    .venv/bin/python benches/cluster_workers.py --duration 3 --rounds 6
+    .venv/bin/python benches/cluster_workers.py --duration 3 --rounds 8
 
 Needs wrk, taskset and redis-server (Debian: apt-get install wrk util-linux redis-server).
 """
@@ -22,16 +25,41 @@ Needs wrk, taskset and redis-server (Debian: apt-get install wrk util-linux redi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
-from _harness import PY, Processes, free_port, wait_port
+from _harness import PY, Processes, cpu_seconds, free_port, wait_port
 from cluster import alternate, config, report, run
 
 CPUS = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+
+
+def _children(pid: int) -> list[int]:
+    with contextlib.suppress(OSError):
+        return sorted(int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+    return []
+
+
+def idle(pids: dict[str, int], seconds: float) -> None:
+    """CPU per second of each gateway's supervisor and workers at rest, over the same
+    `seconds` (the workers in slot order: with `cluster:` the member is whichever holds the
+    host's lock, usually the first)."""
+    procs = {name: [pid, *_children(pid)] for name, pid in pids.items()}
+    before = {p: cpu_seconds(p) for ps in procs.values() for p in ps}
+    time.sleep(seconds)
+    after = {p: cpu_seconds(p) for ps in procs.values() for p in ps}
+    print(f"\nidle CPU over {seconds:.0f} s, ms per second (supervisor, then each worker)")
+    for name, ps in procs.items():
+        each = [(after[p] - before[p]) / seconds * 1000 for p in ps]
+        print(
+            f"{name:>6} total {sum(each):6.1f}: " + " ".join(f"{x:5.1f}" for x in each),
+            flush=True,
+        )
 
 
 def main() -> int:
@@ -40,6 +68,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=6, help="off/on alternations per case")
     ap.add_argument("--workers", type=int, default=2, help="workers of each gateway")
     ap.add_argument("--conns", default="64,8", help="connection counts, comma-separated")
+    ap.add_argument(
+        "--idle", type=float, default=10.0, help="seconds of the idle CPU look (0: none)"
+    )
     args = ap.parse_args()
     for tool in ("wrk", "taskset", "redis-server", "redis-cli"):
         if not shutil.which(tool):
@@ -83,6 +114,8 @@ def main() -> int:
         }
         for name in ("off", "on"):  # warm up: connections, and the lease grows to the load
             run(urls[name], 64, 2.0, gw[name].pid)
+        if args.idle > 0:
+            idle({name: proc.pid for name, proc in gw.items()}, args.idle)
         for conns in (int(c) for c in args.conns.split(",")):
             runs = [
                 alternate(urls, gw, redis_port, conns, args.duration, i) for i in range(args.rounds)
