@@ -218,20 +218,6 @@ async def test_the_cap_holds_across_worker_processes_then_kill_9_under_load(
     assert outcomes.get("200", 0) > 30, outcomes
 
 
-async def test_one_probe_per_instance_per_interval(tmp_path: Path, mocks: MockFactory) -> None:
-    """Each worker's prober asks the region before probing (the rule itself, over many
-    intervals and workers, is test_shared_state's)."""
-    m = await mocks()
-    extra = "health: {probe: {enabled: true, interval_ms: 100, path: /models}}"
-    async with workers(tmp_path, 2, _instances((m, 4)), extra):
-        await asyncio.sleep(0.3)  # a rate over a window: nothing to await but time
-        before = m.stats.requests_total
-        await asyncio.sleep(1.0)
-        probes = m.stats.requests_total - before
-        # One per 100 ms interval across the workers: ~10, not ~20.
-        assert 5 <= probes <= 14, probes
-
-
 async def _everywhere(gw: Workers, model: str) -> None:
     """Until every worker serves `model` (12 requests on fresh connections all answered)."""
     deadline = time.monotonic() + 10
@@ -536,13 +522,25 @@ async def test_metrics_count_the_whole_gateway_and_a_killed_worker_is_replaced_a
             assert await gw.metric(name) == ["30.0"]
 
 
-async def test_a_saturated_unit_goes_round_every_workers_clients(
+async def test_one_probe_per_interval_and_a_saturated_unit_goes_round_every_workers_clients(
     tmp_path: Path, mocks: MockFactory
 ) -> None:
-    """One unit, eight clients on keep-alive connections (so each stays with one worker): the
-    unit goes round all of them in turn, not only the clients of the worker that frees it."""
+    """Two facets on one gateway (its start-up costs seconds), in turn. Each worker's prober
+    asks the region before probing (the rule itself, over many intervals and workers, is
+    test_shared_state's): one probe per 100 ms interval across the workers. Then one unit,
+    eight clients on keep-alive connections (so each stays with one worker): the unit goes
+    round all of them in turn, not only the clients of the worker that frees it (the probes
+    pass meanwhile: the instance stays in)."""
     m = await mocks(latency_ms=5, latency_dist="fixed")
-    async with workers(tmp_path, 2, _instances((m, 1))) as gw:
+    extra = "health: {probe: {enabled: true, interval_ms: 100, path: /v1/models}}"
+    async with workers(tmp_path, 2, _instances((m, 1)), extra) as gw:
+        await asyncio.sleep(0.3)  # a rate over a window: nothing to await but time
+        before = m.stats.requests_total
+        await asyncio.sleep(1.0)
+        probes = m.stats.requests_total - before
+        # One per 100 ms interval across the workers: ~10, not ~20.
+        assert 5 <= probes <= 14, probes
+
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         stop = time.monotonic() + 2
         done: list[int] = []
