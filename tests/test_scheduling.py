@@ -11,7 +11,15 @@ from typing import Any
 import aiohttp
 
 from gateway.sim.mock import MockServer
-from support import GatewayFactory, MockFactory, RunningGateway, chat, pool_config, simple_config
+from support import (
+    GatewayFactory,
+    MockFactory,
+    RunningGateway,
+    chat,
+    eventually,
+    pool_config,
+    simple_config,
+)
 
 
 async def _send(
@@ -27,17 +35,46 @@ def _order(m: MockServer) -> str:
     return "".join(r["body"]["messages"][0]["content"][0] for r in m.requests)
 
 
-async def _saturate(
-    gw: RunningGateway, m: MockServer, lows: int, highs: int, first: str = "low"
-) -> list[asyncio.Task[Any]]:
-    """A slow blocker in flight, then `lows` and `highs` queued behind it, in that order (or
-    highs first); the backend's own latency is restored once the queue is built."""
-    latency = m.behavior.latency_ms
-    # Long enough for every request to be queued behind it even on a loaded machine.
-    m.configure(latency_ms=1500)
-    tasks = [asyncio.create_task(_send(gw, "B", "high"))]
+async def blocker(
+    gw: RunningGateway, m: MockServer, text: str = "B", headers: dict[str, str] | None = None
+) -> tuple[asyncio.Task[tuple[int, dict[str, Any], dict[str, str]]], asyncio.Event]:
+    """A request in flight holding its slot until the event is set (then it ends at once),
+    however long the queue behind it takes to build on a loaded machine: a stream paced at
+    20 tokens a second for minutes, which its client leaves when told — the gateway sees
+    that at its next token and gives the slot back (SPEC §3: the upstream is cancelled).
+    Its answer was a 200 stream: (200, {}, headers)."""
+    release = asyncio.Event()
+    pace = m.behavior.tokens_per_s
+    m.configure(tokens_per_s=20)
+
+    async def hold() -> tuple[int, dict[str, Any], dict[str, str]]:
+        body = chat(text, stream=True, max_tokens=4096)
+        hdrs = {"X-Priority": "high", **(headers or {})}
+        async with await gw.post("/v1/chat/completions", body, headers=hdrs) as resp:
+            await resp.content.readline()  # streaming: in flight upstream
+            await release.wait()
+            resp.close()  # leaves mid-stream
+            return resp.status, {}, dict(resp.headers)
+
+    task = asyncio.create_task(hold())
     await gw.wait_in_flight(1)
-    m.configure(latency_ms=latency)
+    m.configure(tokens_per_s=pace)
+    return task, release
+
+
+async def _saturate(
+    gw: RunningGateway,
+    m: MockServer,
+    lows: int,
+    highs: int,
+    first: str = "low",
+    hold_s: float = 0.0,
+) -> list[asyncio.Task[Any]]:
+    """A blocker in flight, then `lows` and `highs` queued behind it, in that order (or highs
+    first); the blocker leaves once the queue is built and, with `hold_s`, once everything
+    queued has waited that long."""
+    held, release = await blocker(gw, m)
+    tasks = [held]
     plan = [("L", "low", lows), ("H", "high", highs)]
     if first == "high":
         plan.reverse()
@@ -46,6 +83,9 @@ async def _saturate(
         tasks.extend(asyncio.create_task(_send(gw, f"{letter}{i}", prio)) for i in range(n))
         counts[prio] += n
         await gw.wait_queued(counts["high"], counts["low"])
+    since = time.monotonic()
+    await eventually(lambda: time.monotonic() - since > hold_s, hold_s + 5, "the hold")
+    release.set()
     return tasks
 
 
@@ -100,11 +140,12 @@ async def test_low_wait_bound_forces_one_low_at_a_time(
         scheduler={"policy": "strict", "max_consecutive_high": 1000, "max_low_wait_ms": 350},
     )
     gw = await gateway_factory(config)
-    tasks = await _saturate(gw, m, lows=3, highs=12, first="low")
+    # everything queued has waited 0.5 s when the blocker leaves
+    tasks = await _saturate(gw, m, lows=3, highs=12, first="low", hold_s=0.5)
     await asyncio.gather(*tasks)
     order = _order(m)[1:]
     lows = [i for i, c in enumerate(order) if c == "L"]
-    # the lows waited behind the 1.5 s blocker, past the bound: the first grant is forced low;
+    # the lows waited behind the blocker past the bound: the first grant is forced low;
     # then the bound restarts and each next low comes after ~350 ms, i.e. after 3 (or, on a
     # slow machine, 2) high grants of 100 ms — one forced low per bound, never a run of them
     assert lows[0] == 0, order
