@@ -662,3 +662,43 @@ async def test_a_hosts_key_allowance_in_one_process_member_handover_and_tokens(
         assert regions[0].tables()[2] == 0
     finally:
         await redis.close()
+
+
+async def test_a_hosts_key_far_from_its_limit_is_not_synced_every_period(
+    redis_server: RedisServer,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The member's rate sync makes no Redis call in a period where the host's allowance
+    needs nothing (no refusal, held within its sizing, the central level seen less than a
+    second ago) — a key far below its limit cost a call every renew period (5 a second) —
+    but a refusal brings the call back at once, and so does a central level grown older
+    than the bound; what the quiet periods spent is counted in the next exchange."""
+    from gateway.cluster import ratelimit
+
+    fd = os.memfd_create("host-quiet", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, _core.REGION_BYTES)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    region = _core.Region(fd, 2)
+    os.close(fd)
+    sync = RateSync(RateShare(0.2, 2.0, lambda: None), region, 0, RateShare(0.2, 2.0, lambda: None))
+    ring = SimpleNamespace(tenants=[SimpleNamespace(name="q", limits=KeyLimits(6, None))])
+    sync.adopt(ring)  # type: ignore[arg-type]
+    limits = ring.tenants[0].limits
+    assert isinstance(limits, HostLeasedLimits)
+    redis = RedisState(redis_server.url, replica="t", timeout_ms=500)
+    try:
+        assert await sync.sync(redis)  # the first chunk: half the idle central bucket, 3
+        seen = region.central(limits.entry, False)
+        assert not await sync.sync(redis)  # held 3 against a central 3: nothing to exchange
+        assert region.central(limits.entry, False) == seen  # no call, nothing settled
+        for _ in range(3):
+            limits.admit(1)
+        with pytest.raises(RateLimited):
+            limits.admit(1)
+        assert await sync.sync(redis)  # the refusal: a chunk at once
+        assert region.allowance(limits.entry, False) > 0
+        monkeypatch.setattr(ratelimit, "_QUIET_MAX_S", 0.0)
+        assert await sync.sync(redis)  # a central level too old: the call again
+        assert region.central(limits.entry, False)[1] > seen[1]
+    finally:
+        await redis.close()

@@ -304,11 +304,12 @@ class ClusterNode:
             return
         sent = now_ms()
         try:
-            await self.rates.sync(self.redis, member=member)
+            called = await self.rates.sync(self.redis, member=member)
         except RedisUnavailable as exc:
             self._failed("rate", exc)
             return
-        self._succeeded("rate", sent)
+        if called:  # a period with nothing to exchange made no call: it tells nothing of Redis
+            self._succeeded("rate", sent)
 
     async def _leave(self, name: str) -> None:
         self.pools.pop(name, None)

@@ -52,6 +52,10 @@ __all__ = ["HostLeasedLimits", "LeasedLimits", "RateShare", "RateSync"]
 
 #: The region counts a host's allowance in thousandths of a request or token.
 _SCALE = 1000
+#: A host's exchange with nothing to take or give back is left out, but the central level it
+#: brings is never older than this (the headers' `remaining`, a 429's `Retry-After` and the
+#: standing allowance read it).
+_QUIET_MAX_S = 1.0
 
 
 @dataclass(slots=True)
@@ -257,6 +261,8 @@ class HostLeasedLimits(KeyLimits):
             for name in ("tokens" if tokens else "requests",)
         ]
         self._stamp = time.monotonic()  # the member's last static refill
+        #: (spent, refused) per dimension drained by a quiet look, for the next exchange.
+        self._carry: list[tuple[int, int]] = [(0, 0)] * len(self._dims)
 
     # ---- the request path of every worker (no I/O) -----------------------------------------
 
@@ -335,28 +341,61 @@ class HostLeasedLimits(KeyLimits):
             add = int(elapsed * limit / n / 60 * _SCALE)
             self._region.allowance_refill(self.entry, tokens, add, int(limit / n * _SCALE))
 
+    def _drain(self) -> list[tuple[int, int]]:
+        """What every worker spent and was refused per dimension since the last exchange (the
+        region's counts, drained, plus what a quiet look drained before)."""
+        out = []
+        for i, (_, tokens, _) in enumerate(self._dims):
+            used, refused = self._region.allowance_drain(self.entry, tokens)
+            carried = self._carry[i]
+            out.append((carried[0] + used, carried[1] + refused))
+        return out
+
+    def _delta(self, tokens: bool, limit: int, used: int, refused: int, elapsed_s: float) -> float:
+        """What this dimension's exchange would take (> 0) or give back (< 0), as
+        `LeasedLimits.exchange` sizes it."""
+        share, region, k = self._share, self._region, self.entry
+        spent_rate = max(0, used) / _SCALE / max(elapsed_s, 1e-3)
+        level, at_us = region.central(k, tokens)
+        central = level / _SCALE if at_us else float(limit)
+        standing = max(limit / 60 * share.standing_s, central / 2 / share.replicas)
+        desired = min(limit, max(standing, spent_rate * 2 * share.interval_s) + refused / _SCALE)
+        have = region.allowance(k, tokens) / _SCALE
+        if have < desired:
+            return desired - have
+        if have > 2 * desired and not share.static_replicas:
+            return desired - have
+        return 0.0
+
+    def quiet(self, now: float, elapsed_s: float) -> bool:
+        """Whether this period's exchange can be left out: nothing refused, nothing to take
+        or give back, and the central level seen less than `_QUIET_MAX_S` ago. What it
+        drained is carried into the next exchange (its rate is over the whole time since)."""
+        counts = self._drain()
+        self._carry = counts
+        for (_, tokens, limit), (used, refused) in zip(self._dims, counts, strict=True):
+            if refused:
+                return False
+            _, at_us = self._region.central(self.entry, tokens)
+            if not at_us or now - at_us / 1e6 >= _QUIET_MAX_S:
+                return False
+            if self._delta(tokens, limit, used, refused, elapsed_s):
+                return False
+        return True
+
     def exchange(self, elapsed_s: float) -> list[tuple[str, int, float]]:
         """As `LeasedLimits.exchange`, for the host: its spending and refusals are the counts
         every worker left in the region since the last exchange."""
         out: list[tuple[str, int, float]] = []
-        share, region, k = self._share, self._region, self.entry
-        for suffix, tokens, limit in self._dims:
-            used, refused = region.allowance_drain(k, tokens)
-            spent_rate = max(0, used) / _SCALE / max(elapsed_s, 1e-3)
-            level, at_us = region.central(k, tokens)
-            central = level / _SCALE if at_us else float(limit)
-            standing = max(limit / 60 * share.standing_s, central / 2 / share.replicas)
-            desired = min(
-                limit, max(standing, spent_rate * 2 * share.interval_s) + refused / _SCALE
-            )
-            have = region.allowance(k, tokens) / _SCALE
-            delta = 0.0
-            if have < desired:
-                delta = desired - have
-            elif have > 2 * desired and not share.static_replicas:
+        region, k = self._region, self.entry
+        counts = self._drain()
+        self._carry = [(0, 0)] * len(self._dims)
+        for (suffix, tokens, limit), (used, refused) in zip(self._dims, counts, strict=True):
+            delta = self._delta(tokens, limit, used, refused, elapsed_s)
+            if delta < 0:
                 # Given back from the region first: a worker can no longer spend it. (Not on
                 # the static share: the call would most likely fail, and what it took be lost.)
-                delta = -region.allowance_take_upto(k, tokens, int((have - desired) * _SCALE))
+                delta = -region.allowance_take_upto(k, tokens, int(-delta * _SCALE))
                 delta /= _SCALE
             out.append((f"{self.name}|{suffix}", limit, round(delta, 6)))
         return out
@@ -442,15 +481,22 @@ class RateSync:
             return None  # the table is full: this worker's own chunks
         return HostLeasedLimits(name, rpm, tpm, share, region, entry)
 
-    async def sync(self, redis: RedisState, *, member: bool = True) -> None:
+    async def sync(self, redis: RedisState, *, member: bool = True) -> bool:
         """One script call for this worker's own leased keys and, if it is its host's member
-        (or one process), the host's."""
+        (or one process), the host's. False: no call was needed."""
         hosted: list[HostLeasedLimits] = list(self.hosted.values()) if member else []
         mine: list[LeasedLimits | HostLeasedLimits] = [*self.limits.values(), *hosted]
         if not mine:
-            return
+            return False
         now = time.monotonic()
-        elapsed, self._last = now - self._last, now
+        elapsed = now - self._last
+        # SPEC §13 "limit chunks ... are exchanged in the background": a host whose every
+        # allowance needs nothing this period (no refusal, held within its sizing, the central
+        # level fresh) makes no call — a key far below its limit is synced about once a
+        # second, not at every renew period (each call costs the member ~0.5 ms of CPU).
+        if not self.limits and all(lim.quiet(now, elapsed) for lim in hosted):
+            return False
+        self._last = now
         plan = [(lim, lim.exchange(elapsed)) for lim in mine]
         reply = await redis.rate_sync([e for _, entries in plan for e in entries])
         results = reply.get("r")
@@ -462,6 +508,7 @@ class RateSync:
         for lim, entries in plan:
             lim.settle(flat[i : i + len(entries)], at)
             i += len(entries)
+        return True
 
     def refill_hosted(self) -> None:
         """The member, Redis unreachable: the host's static share into its allowances."""
