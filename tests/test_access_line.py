@@ -7,7 +7,9 @@ and appends nothing."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import types
 from typing import Any
 
 import orjson
@@ -118,6 +120,21 @@ def test_the_line_built_in_one_call_is_the_python_line(fmt: str, fields: dict[st
 )
 def test_what_it_cannot_write_exactly_is_left_to_python(fmt: str, fields: dict[str, Any]) -> None:
     assert _rust_line(_exchange(**fields), 100.5, fmt, WALL) is None
+
+
+def test_an_object_of_another_type_is_read_by_name() -> None:
+    """The exchange's fields are read through its type's slot descriptors; an object of
+    another type (here a namespace of the same fields) by `getattr`, the same line — and a
+    buffer that sees both, in turn, keeps telling them apart."""
+    ex = _exchange(**EXAMPLES[2])
+    other = types.SimpleNamespace(**{f.name: getattr(ex, f.name) for f in dataclasses.fields(ex)})
+    want = _python_line(ex, 100.5, "json", WALL)
+    assert want is not None
+    buf = LineBuffer(_text_stamp)
+    for item in (ex, other, ex, other):
+        assert buf.access(item, 100.5, PREFIX, True, WALL) > 0
+    taken = buf.take()
+    assert taken is not None and taken == (want * 4, 4)
 
 
 @pytest.mark.parametrize("text", ['a"b', "a\\b", "a\nb", "a\tb", "a\x01b"])
