@@ -700,5 +700,26 @@ async def test_a_hosts_key_far_from_its_limit_is_not_synced_every_period(
         monkeypatch.setattr(ratelimit, "_QUIET_MAX_S", 0.0)
         assert await sync.sync(redis)  # a central level too old: the call again
         assert region.central(limits.entry, False)[1] > seen[1]
+        monkeypatch.setattr(ratelimit, "_QUIET_MAX_S", 1.0)
+        # A key far below its limit: a few requests' top-up against its standing allowance
+        # (half the central bucket) waits while most of that is held; below 3/4, the call.
+        big_ring = SimpleNamespace(
+            tenants=[SimpleNamespace(name="b", limits=KeyLimits(600_000, None))]
+        )
+        big_sync = RateSync(
+            RateShare(0.2, 2.0, lambda: None), region, 0, RateShare(0.2, 2.0, lambda: None)
+        )
+        big_sync.adopt(big_ring)  # type: ignore[arg-type]
+        big = big_ring.tenants[0].limits
+        assert isinstance(big, HostLeasedLimits)
+        assert await big_sync.sync(redis)  # 300,000: half the idle central bucket
+        _, at_us = region.central(big.entry, False)
+        region.set_central(big.entry, False, 600_000 * 1000, at_us)  # as if refilled meanwhile
+        for _ in range(10):
+            big.admit(1)
+        assert not await big_sync.sync(redis)  # 299,990 held of 300,000: no call
+        region.allowance_take_upto(big.entry, False, 80_000 * 1000)
+        assert await big_sync.sync(redis)  # 219,990 held: below 3/4, topped up
+        assert region.allowance(big.entry, False) == 300_000 * 1000
     finally:
         await redis.close()

@@ -56,6 +56,9 @@ _SCALE = 1000
 #: brings is never older than this (the headers' `remaining`, a 429's `Retry-After` and the
 #: standing allowance read it).
 _QUIET_MAX_S = 1.0
+#: ... and while it holds at least this part of the allowance the chunk protocol sizes (two
+#: periods of its spending at least: 3/4 of it lasts the period until the next look).
+_QUIET_HELD = 0.75
 
 
 @dataclass(slots=True)
@@ -351,9 +354,11 @@ class HostLeasedLimits(KeyLimits):
             out.append((carried[0] + used, carried[1] + refused))
         return out
 
-    def _delta(self, tokens: bool, limit: int, used: int, refused: int, elapsed_s: float) -> float:
+    def _delta(
+        self, tokens: bool, limit: int, used: int, refused: int, elapsed_s: float
+    ) -> tuple[float, float]:
         """What this dimension's exchange would take (> 0) or give back (< 0), as
-        `LeasedLimits.exchange` sizes it."""
+        `LeasedLimits.exchange` sizes it, and the allowance it sizes (`desired`)."""
         share, region, k = self._share, self._region, self.entry
         spent_rate = max(0, used) / _SCALE / max(elapsed_s, 1e-3)
         level, at_us = region.central(k, tokens)
@@ -362,15 +367,17 @@ class HostLeasedLimits(KeyLimits):
         desired = min(limit, max(standing, spent_rate * 2 * share.interval_s) + refused / _SCALE)
         have = region.allowance(k, tokens) / _SCALE
         if have < desired:
-            return desired - have
+            return desired - have, desired
         if have > 2 * desired and not share.static_replicas:
-            return desired - have
-        return 0.0
+            return desired - have, desired
+        return 0.0, desired
 
     def quiet(self, now: float, elapsed_s: float) -> bool:
-        """Whether this period's exchange can be left out: nothing refused, nothing to take
-        or give back, and the central level seen less than `_QUIET_MAX_S` ago. What it
-        drained is carried into the next exchange (its rate is over the whole time since)."""
+        """Whether this period's exchange can be left out: nothing refused, nothing to give
+        back, at least `_QUIET_HELD` of the allowance the protocol sizes held (so a top-up of
+        a few requests against a standing allowance of millions waits), and the central
+        level seen less than `_QUIET_MAX_S` ago. What it drained is carried into the next
+        exchange (its rate is over the whole time since)."""
         counts = self._drain()
         self._carry = counts
         for (_, tokens, limit), (used, refused) in zip(self._dims, counts, strict=True):
@@ -379,7 +386,8 @@ class HostLeasedLimits(KeyLimits):
             _, at_us = self._region.central(self.entry, tokens)
             if not at_us or now - at_us / 1e6 >= _QUIET_MAX_S:
                 return False
-            if self._delta(tokens, limit, used, refused, elapsed_s):
+            delta, desired = self._delta(tokens, limit, used, refused, elapsed_s)
+            if delta < 0 or delta > desired * (1 - _QUIET_HELD):
                 return False
         return True
 
@@ -391,7 +399,7 @@ class HostLeasedLimits(KeyLimits):
         counts = self._drain()
         self._carry = [(0, 0)] * len(self._dims)
         for (suffix, tokens, limit), (used, refused) in zip(self._dims, counts, strict=True):
-            delta = self._delta(tokens, limit, used, refused, elapsed_s)
+            delta, _ = self._delta(tokens, limit, used, refused, elapsed_s)
             if delta < 0:
                 # Given back from the region first: a worker can no longer spend it. (Not on
                 # the static share: the call would most likely fail, and what it took be lost.)
@@ -491,7 +499,7 @@ class RateSync:
         now = time.monotonic()
         elapsed = now - self._last
         # SPEC §13 "limit chunks ... are exchanged in the background": a host whose every
-        # allowance needs nothing this period (no refusal, held within its sizing, the central
+        # allowance needs nothing this period (no refusal, most of its sizing held, the central
         # level fresh) makes no call — a key far below its limit is synced about once a
         # second, not at every renew period (each call costs the member ~0.5 ms of CPU).
         if not self.limits and all(lim.quiet(now, elapsed) for lim in hosted):
