@@ -14,7 +14,7 @@ What it does, and only that (an OpenAI-compatible upstream needs no more):
 
 - one request at a time per connection; the request head prebuilt per upstream (`head()`), sent
   with its body in one write; redirects never followed (a 3xx is returned as it is);
-- idle connections reused LIFO (the warmest first), at most `_MAX_IDLE` of them, and none
+- idle connections reused LIFO (the warmest first), at most `max_idle` of them, and none
   within `REUSE_QUIET_S` (5 ms) of its last response's end unless its upstream echoes the
   request id. SPEC §16: "connections are never reused within a few milliseconds of a response
   ending with bytes still possibly in flight": a backend that sends its answer twice, a few ms
@@ -83,7 +83,9 @@ _MAX_HEADERS = 100
 _MAX_INTERIM = 10  # 1xx responses before the final one
 #: Unread body bytes above which reading from the socket pauses (SPEC §16: bounded).
 HIGH_WATER = 256 * 1024
-_MAX_IDLE = 256  # idle keep-alive connections kept per upstream
+DEFAULT_MAX_IDLE = 256  # idle keep-alive connections kept per upstream (Client.max_idle)
+#: The most idle connections one upstream keeps, however large its `max_concurrency`.
+MAX_IDLE_CEILING = 4096
 _MAX_PROXY_HEAD = 16 * 1024  # a proxy's answer to CONNECT
 #: SPEC §16: a connection rests this long after its response before it carries another request.
 REUSE_QUIET_S = 0.005
@@ -831,6 +833,11 @@ class Client:
         self._proxy_error: str | None = None
         self._resolve_proxy(proxy, os.environ if trust_env else {})
         self._idle: deque[_Conn] = deque()
+        #: Idle connections kept (SPEC §16: bounded): an instance's `max_concurrency` when
+        #: larger than 256 (`Upstream` sets it), so a burst of that many concurrent requests
+        #: or streams keeps its connections for the next one instead of closing and
+        #: reconnecting the ones past 256.
+        self.max_idle = DEFAULT_MAX_IDLE
         # Released within the last `REUSE_QUIET_S`, oldest first: not reused yet.
         self._resting: deque[_Conn] = deque()
         self.closed = False
@@ -969,7 +976,7 @@ class Client:
         return None
 
     def _put(self, conn: _Conn) -> None:
-        if self.closed or len(self._idle) + len(self._resting) >= _MAX_IDLE:
+        if self.closed or len(self._idle) + len(self._resting) >= self.max_idle:
             conn.abort()
         elif conn._echoes:
             # No bytes "possibly in flight" can pass for the next answer: the upstream echoes

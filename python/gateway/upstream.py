@@ -13,7 +13,14 @@ from urllib.parse import urlsplit
 
 from gateway import __version__
 from gateway.config import InstanceSpec, Timeouts
-from gateway.http1 import DEFAULT_MAX_CHUNK, Client, ConnectError, Response
+from gateway.http1 import (
+    DEFAULT_MAX_CHUNK,
+    DEFAULT_MAX_IDLE,
+    MAX_IDLE_CEILING,
+    Client,
+    ConnectError,
+    Response,
+)
 
 __all__ = ["AttemptError", "Upstream"]
 
@@ -87,6 +94,9 @@ class Upstream:
         if spec.tls != self.spec.tls or spec.proxy != self.spec.proxy:
             old, self._client = self._client, self._new_client(spec, timeouts)
             old.close_idle()
+        # SPEC §16 bounded: no more idle connections than the instance may have in flight
+        # (one request each), at least the client's default, at most the ceiling.
+        self._client.max_idle = max(DEFAULT_MAX_IDLE, min(spec.max_concurrency, MAX_IDLE_CEILING))
         self.spec = spec
         self.name = spec.name
         self.model = spec.model
