@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import random
 import re
+import socket
+import threading
 import time
 import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -658,6 +660,56 @@ async def test_a_connection_rests_after_its_response() -> None:
             assert srv.connections == 2
         finally:
             await c.close()
+
+
+async def test_a_duplicate_that_came_while_the_loop_was_busy_is_never_read() -> None:
+    """SPEC §16: a backend (another process: here a thread) sends its answer twice, 2 ms
+    apart, while the gateway's loop is busy for 20 ms (a GC pause, a burst) — past the rest,
+    with the duplicate already in the kernel but not yet read by the loop. The next request
+    must not take that connection: it would read the duplicate as its own answer."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    accepted: list[int] = []
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                accepted.append(1)
+                threading.Thread(target=answer_twice, args=(conn,), daemon=True).start()
+
+    def answer_twice(conn: socket.socket) -> None:
+        n = 0
+        with conn, contextlib.suppress(OSError):
+            while True:
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    got = conn.recv(65536)
+                    if not got:
+                        return
+                    head += got
+                n += 1
+                body = f'{{"n":{len(accepted)}{n}}}'.encode()
+                reply = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+                conn.sendall(reply)
+                time.sleep(0.002)
+                conn.sendall(reply)  # the same answer again
+
+    threading.Thread(target=serve, daemon=True).start()
+    c = Client(f"http://127.0.0.1:{port}/v1", connect_timeout=2)
+    try:
+        answers = []
+        for _ in range(5):
+            status, body = await _get(c)
+            assert status == 200
+            answers.append(body)
+            time.sleep(0.02)  # noqa: ASYNC251 — the loop is busy: nothing is read meanwhile
+        # Every request got its own answer: the first of each connection, never a duplicate.
+        assert len(set(answers)) == len(answers), answers
+        assert len(accepted) == 5  # each duplicate cost its connection
+    finally:
+        await c.close()
+        listener.close()
 
 
 async def test_a_duplicate_answer_in_the_rest_costs_only_that_connection() -> None:
