@@ -333,7 +333,7 @@ async def _faults(
     load.targets = [r1, r2, r4]
 
     # 4. Redis gone (SHUTDOWN NOSAVE): static shares, degraded, still serving; back empty.
-    await _shutdown_nosave(redis)
+    await redis.shutdown_nosave()
     t0 = time.monotonic()
     await until(lambda: _all_degraded(session, [r1, r2, r4]), 5, "degraded")
     static_from = t0 + LEASE_MS / 1000 + 0.5
@@ -369,21 +369,6 @@ async def _faults(
     await until(lambda: _baseline(redis, {r.id for r in live}), 3, "idle baseline")
     check_outcomes(load.results, killed={"r3"})
     assert sum(1 for r in load.results if r.status == 200) > 200
-
-
-async def _shutdown_nosave(redis: RedisServer) -> None:
-    """`SHUTDOWN NOSAVE` (the server exits and forgets every key) from a client that does not
-    retry: redis-py's default one reconnects to the server it just shut down, with back-off,
-    for 3-4 s before it gives up."""
-    from redis.asyncio import Redis
-
-    client = Redis(host="127.0.0.1", port=redis.port, socket_timeout=5, retry=None)
-    with contextlib.suppress(Exception):  # the connection dies with the server
-        await client.execute_command("SHUTDOWN", "NOSAVE")
-    await client.aclose()
-    assert redis.proc is not None
-    await asyncio.to_thread(redis.proc.wait, 10)
-    redis.proc = None
 
 
 def _served_by(load: Load, rep: Replica) -> bool:
