@@ -8,6 +8,7 @@ import contextlib
 import gc
 import json
 import logging
+import os
 import sys
 
 from gateway import __version__
@@ -16,7 +17,7 @@ from gateway.config import Config, load_config
 from gateway.errors import ConfigError
 from gateway.logs import setup_logging
 from gateway.topology import Topology, WorkerLink
-from gateway.workers import enter_worker, resolve_workers
+from gateway.workers import enter_worker, resolve_workers, tuning
 
 __all__ = ["main"]
 
@@ -94,7 +95,8 @@ async def supervise(args: argparse.Namespace, config: Config) -> int:
         argv.append("--no-access-log")
     port = args.port if args.port is not None else config.listen.port
     try:
-        supervisor = Supervisor(args.workers, argv, host, port)
+        # The composition root reads the supervisor's timing overrides, once.
+        supervisor = Supervisor(args.workers, argv, host, port, **tuning(os.environ))
     except OSError as exc:
         print(f"cannot listen on {host}:{port}: {exc.strerror}", file=sys.stderr)
         return 1

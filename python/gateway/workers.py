@@ -58,8 +58,9 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypedDict
 
 from gateway import _core
 from gateway.clock import LOOP_CLOCK, Clock, Timer
@@ -88,9 +89,8 @@ __all__ = [
 
 log = logging.getLogger("gateway.workers")
 
-#: A worker whose heartbeat is older than this is hung: killed, then reclaimed (the
-#: environment variable `GATEWAY_WORKER_HANG_MS` overrides it, e.g. for tests).
-HANG_MS = int(os.environ.get("GATEWAY_WORKER_HANG_MS", "10000"))
+#: A worker whose heartbeat is older than this is hung: killed, then reclaimed.
+HANG_MS = 10_000
 #: A worker that has not sent its first heartbeat (it is starting: imports, the config, its
 #: pools, listening) is hung only this long after its start: a slow start on a loaded host is
 #: not a hang (killing it would only start another slow start).
@@ -101,11 +101,35 @@ HANG_CHECK_MS = 500
 TICK_S = 0.010
 #: SPEC §12 restart policy: a worker that dies sooner than this after its start died "within
 #: seconds of starting"; its slot's next replacement waits (doubling from `BACKOFF_MS`, at most
-#: `BACKOFF_MAX_MS`). The environment variables `GATEWAY_WORKER_BACKOFF_MS` and
-#: `GATEWAY_WORKER_BACKOFF_MAX_MS` override the two (tests run the policy in seconds).
+#: `BACKOFF_MAX_MS`).
 QUICK_DEATH_MS = 10_000
-BACKOFF_MS = int(os.environ.get("GATEWAY_WORKER_BACKOFF_MS", "1000"))
-BACKOFF_MAX_MS = int(os.environ.get("GATEWAY_WORKER_BACKOFF_MAX_MS", "30000"))
+BACKOFF_MS = 1_000
+BACKOFF_MAX_MS = 30_000
+
+
+class Tuning(TypedDict, total=False):
+    """The supervisor's timing, where the environment overrides it (tests run the policy in
+    seconds): `GATEWAY_WORKER_HANG_MS`, `GATEWAY_WORKER_BACKOFF_MS`,
+    `GATEWAY_WORKER_BACKOFF_MAX_MS`."""
+
+    hang_ms: int
+    backoff_ms: int
+    backoff_max_ms: int
+
+
+def tuning(env: Mapping[str, str]) -> Tuning:
+    """The `Supervisor` keyword arguments `env` overrides, read by the composition root (the
+    CLI) once — never at import."""
+    out = Tuning()
+    if env.get("GATEWAY_WORKER_HANG_MS"):
+        out["hang_ms"] = int(env["GATEWAY_WORKER_HANG_MS"])
+    if env.get("GATEWAY_WORKER_BACKOFF_MS"):
+        out["backoff_ms"] = int(env["GATEWAY_WORKER_BACKOFF_MS"])
+    if env.get("GATEWAY_WORKER_BACKOFF_MAX_MS"):
+        out["backoff_max_ms"] = int(env["GATEWAY_WORKER_BACKOFF_MAX_MS"])
+    return out
+
+
 #: Where the supervisor's directory goes when it can: a memory file system. The workers rewrite
 #: their files there several times a second (the cluster member's publication and every
 #: worker's report: SPEC §12 × §13; the metrics snapshots): on tmpfs a 1 KB write in place
@@ -334,6 +358,7 @@ class Supervisor:
         *,
         backoff_ms: int = BACKOFF_MS,
         backoff_max_ms: int = BACKOFF_MAX_MS,
+        hang_ms: int = HANG_MS,
         clock: Clock = LOOP_CLOCK,
     ) -> None:
         self.n = workers
@@ -344,7 +369,12 @@ class Supervisor:
         # SPEC §12 restart policy, on the clock the supervisor's start hands down.
         self.clock = clock
         self.policy = RestartPolicy(
-            workers, clock, self._respawn, backoff_ms=backoff_ms, backoff_max_ms=backoff_max_ms
+            workers,
+            clock,
+            self._respawn,
+            backoff_ms=backoff_ms,
+            backoff_max_ms=backoff_max_ms,
+            hang_ms=hang_ms,
         )
         self._hang_check: Timer | None = None
         self._stopping = False
