@@ -115,15 +115,31 @@ def test_a_start_up_error_every_worker_reports_alike_stops_it() -> None:
     # Another error is not "alike".
     assert isinstance(s.kill(2, StartError(1, "cannot listen on 127.0.0.1:8080")), int)
     s.clock.advance(BACKOFF_MAX_MS)
-    # A slot whose worker is starting again does not report the error yet.
+    # A slot whose replacement listened no longer reports the error it left before.
+    s.policy.listened(1)
     assert isinstance(s.kill(0, BAD_CONFIG), int)
-    assert isinstance(s.kill(2, BAD_CONFIG), int)  # slot 1's replacement is still running
+    assert isinstance(s.kill(2, BAD_CONFIG), int)  # slot 1's worker listens
+    # Slot 1's next worker cannot start either: now every slot reports the error — slots 0
+    # and 2 through replacements that are starting, not yet listening — and the supervisor
+    # stops with it, whatever the phases of their back-offs.
+    s.clock.advance(BACKOFF_MAX_MS)
+    assert s.starts[-1][0] in (0, 2)
     verdict = s.kill(1, BAD_CONFIG)
-    assert verdict == BAD_CONFIG  # now every slot reports it: the supervisor stops with it
+    assert verdict == BAD_CONFIG
     s.policy.stop()
     before = len(s.starts)
     s.clock.advance(BACKOFF_MAX_MS * 2)
     assert len(s.starts) == before  # and nothing is started after the stop
+
+
+def test_start_ups_slower_than_the_back_off_still_stop_on_an_error_every_slot_reports() -> None:
+    """Two slots whose workers cannot start, out of phase: whenever one dies the other's
+    replacement is starting. Each slot reports the error once it left it, so the supervisor
+    stops after each slot's first report (before: only if both were ever dead at once)."""
+    s = Supervised(n=2, backoff_ms=100, backoff_max_ms=100)
+    assert isinstance(s.kill(0, BAD_CONFIG), int)  # slot 1's first worker is still starting
+    s.clock.advance(0)  # slot 0's replacement starts at once
+    assert s.kill(1, BAD_CONFIG) == BAD_CONFIG  # slot 0's replacement has not listened
 
 
 def test_a_replacement_waiting_out_its_back_off_is_dropped_on_stop() -> None:

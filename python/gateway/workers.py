@@ -295,14 +295,22 @@ class RestartPolicy:
         if life.quick_deaths > 1:
             pause_ms = min(self.backoff_max_ms, self.backoff_ms << min(life.quick_deaths - 2, 30))
         # SPEC §12: "the supervisor never exits because workers were killed ... only on
-        # SIGTERM/SIGINT or a start-up error every worker reports alike (a bad config)".
-        # (A slot whose worker runs — started since, or starting — does not report it.)
+        # SIGTERM/SIGINT or a start-up error every worker reports alike (a bad config)". A
+        # slot reports the error its latest worker left until a worker of it listens
+        # (`listened`): a replacement still starting counts as its last report. (Counting
+        # only slots that are all dead at once made the stop a matter of chance: with start-ups
+        # slower than the back-off, some slot's replacement was always starting.)
         first = self._lives[0].start_error
-        if first is not None and all(not x.running and x.start_error == first for x in self._lives):
+        if first is not None and all(x.start_error == first for x in self._lives):
             return first
         if not self.stopped:
             life.respawn = self.clock.call_later(pause_ms, lambda: self._due(slot))
         return pause_ms
+
+    def listened(self, slot: int) -> None:
+        """The slot's running worker sent its first heartbeat (it listens): the error an
+        earlier worker of the slot left is no longer the slot's report."""
+        self._lives[slot].start_error = None
 
     def lived_ms(self, slot: int) -> int:
         """How long the slot's latest worker has been (or was) running."""
@@ -466,6 +474,9 @@ class Supervisor:
         lived_ms = self.policy.lived_ms(slot.index)
         # SPEC §12: replaced at once, then with doubling back-off; never stopped because
         # workers were killed, only by a start-up error every worker reports alike.
+        for other in self._slots:  # who listens now, not at the last hang check
+            if other.proc is not None and self.region.worker(other.index)[3] != 0:
+                self.policy.listened(other.index)
         verdict = self.policy.died(slot.index, listened=listened, report=report)
         alike = isinstance(verdict, StartError)
         fields: dict[str, object] = {
@@ -535,6 +546,8 @@ class Supervisor:
                 if slot.proc is None:
                     continue
                 beat = self.region.worker(slot.index)[3]
+                if beat != 0:
+                    self.policy.listened(slot.index)
                 if self.policy.hung(slot.index, beat):
                     starting = beat == 0
                     log.error(
