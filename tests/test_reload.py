@@ -232,3 +232,37 @@ async def test_a_reload_with_many_errors_reports_them_all_and_changes_nothing(
     assert (await _send(gw))[0] == 200
     assert 'result="failure"} 1.0' in await _metric(gw, "gateway_config_reloads_total")
     await gw.assert_quiet()
+
+
+async def test_a_reload_keeps_the_classifier_unless_its_rules_changed(
+    mocks: MockFactory, gateway_factory: GatewayFactory
+) -> None:
+    """A reload that leaves `routing.classifier` alone keeps the built classifier (building
+    one is most of a reload's CPU); one that changes its keywords classifies by the new ones
+    from the next request."""
+    light, heavy = await mocks(), await mocks()
+    config: dict[str, Any] = {
+        "pools": {"light": pool_config(light), "heavy": pool_config(heavy)},
+        "models": {"judge": {"route": "auto"}},
+        "routing": {"complexity": {"simple": "light", "complex": "heavy"}},
+    }
+
+    async def complexity(text: str) -> str:
+        async with await gw.post("/v1/chat/completions", chat(text, model="judge")) as resp:
+            await resp.read()
+            assert resp.status == 200
+            return resp.headers["X-Gateway-Complexity"]
+
+    gw = await gateway_factory(config)
+    built = gw.gateway.runtime.router.classifier
+    assert await complexity("please frobnicate this") == "simple; default"
+    new = copy.deepcopy(config)
+    new["pools"]["light"] = pool_config((light, 3))
+    assert (await gw.reload(new))[0] == 200
+    assert gw.gateway.runtime.router.classifier is built  # not rebuilt
+    assert await complexity("please frobnicate this") == "simple; default"
+    new = copy.deepcopy(new)
+    new["routing"]["classifier"] = {"complex_keywords": ["frobnicate"]}
+    assert (await gw.reload(new))[0] == 200
+    assert await complexity("please frobnicate this") == "complex; keyword=frobnicate"
+    await gw.assert_quiet()

@@ -100,7 +100,7 @@ class Runtime:
                 pool.retire()
                 self.retired.append(pool)
         self.pools = pools
-        self.router = Router(config)
+        self.router = Router(config, previous=self.router)
         return notes
 
     async def collect(self) -> None:
