@@ -26,14 +26,6 @@ from test_workers import _write, workers
 LAST = 150
 
 
-def _write_whole(path: Path, port: int, instances: str) -> None:
-    """`_write`, but whole at once: the other worker reloads from the file when told to and
-    must never read it half written (an empty file fails its reload)."""
-    tmp = path.with_suffix(".tmp")
-    _write(tmp, port, instances)
-    os.replace(tmp, path)
-
-
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 
@@ -217,7 +209,7 @@ async def test_reloads_keep_renaming_instances_past_the_old_limit(
         path = tmp_path / "gateway.yaml"
         started = time.monotonic()
         for name in range(1, LAST + 1):
-            _write_whole(path, port, one(name))
+            _write(path, port, one(name))
             async with gw.session.post(gw.url + "/admin/reload") as r:
                 assert r.status == 200, f"reload {name}: {await r.text()}"
             if name % 50 == 0:

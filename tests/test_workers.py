@@ -61,7 +61,11 @@ def _write(
         "models:",
         f"  {alias}: {{pool: p}}",
     ]
-    path.write_text("\n".join(lines) + "\n")
+    # Whole at once: a worker told to reload reads the file, and must never read it half
+    # written (an empty file fails its reload).
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
 
 
 class Workers:
