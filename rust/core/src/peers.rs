@@ -32,7 +32,10 @@ use crate::error::CoreError;
 use crate::health::HealthConfig;
 use crate::instance::Instance;
 use crate::selector::Selector;
-use crate::shared::{Joins, Shared};
+/// This process's uses of the region's cells, which a pool attaches with (re-exported: the
+/// pool reaches the shared state only through this module).
+pub use crate::shared::Joins;
+use crate::shared::Shared;
 use crate::shm::{min_opt, Region, MAX_POOLS, MAX_SLOTS};
 use crate::types::{InstanceState, Millis, Priority, Tenant};
 

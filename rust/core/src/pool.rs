@@ -26,11 +26,10 @@ use crate::error::CoreError;
 use crate::health::{Breaker, HealthConfig};
 pub use crate::instance::{Instance, InstanceExtra};
 use crate::latency::{Features, LatencyModel};
-use crate::peers::{Peers, Summary};
+use crate::peers::{Joins, Peers, Summary};
 use crate::prefix::{self, PrefixIndex};
 use crate::queue::{ClassQueue, Entry};
 use crate::selector::{Choice, Selector, SelectorConfig};
-use crate::shared::Joins;
 use crate::shm::Region;
 use crate::types::{
     Affinity, BalancerKind, InstanceState, Millis, Outcome, Priority, Tenant, Ticket,
