@@ -56,9 +56,13 @@ miri: ## Miri over the workers' shared region (needs `rustup +nightly component 
 	MIRIFLAGS=-Zmiri-ignore-leaks CARGO_TARGET_DIR=target/miri cargo +nightly miri test -p gateway-core --lib shm
 	MIRIFLAGS=-Zmiri-ignore-leaks CARGO_TARGET_DIR=target/miri cargo +nightly miri test -p gateway-core --test region_cast --test shared -- --skip random
 
+# Two pytest processes (pytest-xdist), each taking whole files (module-scoped set-ups stay
+# shared): most tests wait on real servers and timers, so two fit 2 cores. TEST_JOBS=0 runs
+# one process.
+TEST_JOBS ?= 2
 test-python: build-dev ## pytest: unit, integration over loopback, the official openai client
 	@# pytest exits 5 when it collects no test: that is not a failure of the code under test
-	$(VENV)/bin/pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+	$(VENV)/bin/pytest -q -n $(TEST_JOBS) --dist loadfile tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
 
 test: lint test-rust typecheck test-python ## everything: lint, cargo test, mypy, stubtest, pytest
 
