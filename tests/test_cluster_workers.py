@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -55,6 +56,27 @@ async def _ask(session: aiohttp.ClientSession, rep: Replica) -> Result:
     return await Load(session, [rep])._one(rep, stream=False)
 
 
+@contextlib.asynccontextmanager
+async def _two_hosts(
+    tmp_path: Path, config: dict[str, Any], redis: RedisServer, mock: MockServer
+) -> AsyncIterator[tuple[aiohttp.ClientSession, list[Replica]]]:
+    """Two hosts of `--workers 2` on `config`, both leased, and a session of fresh connections;
+    the hosts and `mock` are stopped at the end."""
+    hosts = [Replica(tmp_path, f"h{i + 1}", config, workers=2) for i in range(2)]
+    async with _fresh_connections() as session:
+        try:
+            for rep in hosts:
+                rep.start()
+            for rep in hosts:
+                await rep.wait_ready(session)
+            await until(lambda: _both_leased(redis), 5, "both hosts leased")
+            yield session, hosts
+        finally:
+            for rep in hosts:
+                rep.stop()
+            await mock.stop()
+
+
 async def _host(session: aiohttp.ClientSession, rep: Replica) -> dict[str, Any]:
     host: dict[str, Any] = (await rep.state(session))["cluster"]["host"]
     return host
@@ -91,25 +113,14 @@ async def test_two_hosts_of_two_workers_share_one_instance_through_load_a_stop_a
     mock = MockServer(MockBehavior(latency_ms=250, max_concurrency=4))
     await mock.start()
     config = _small_config(redis_server.url, mock)
-    hosts = [Replica(tmp_path, f"h{i + 1}", config, workers=2) for i in range(2)]
-    async with _fresh_connections() as session:
-        try:
-            for rep in hosts:
-                rep.start()
-            for rep in hosts:
-                await rep.wait_ready(session)
-            await until(lambda: _both_leased(redis_server), 5, "both hosts leased")
-            await _forty_slow_requests_never_overrun(session, hosts, mock, redis_server)
-            mock.configure(latency_ms=300)
-            await _an_idle_hosts_other_worker_gets_a_share(session, hosts, mock)
-            mock.configure(latency_ms=150)
-            await _a_worker_stopped_through_a_shrink(session, hosts, mock)
-            mock.configure(latency_ms=100)
-            await _kill_9_of_the_member_keeps_its_host_serving(session, hosts, mock, redis_server)
-        finally:
-            for rep in hosts:
-                rep.stop()
-            await mock.stop()
+    async with _two_hosts(tmp_path, config, redis_server, mock) as (session, hosts):
+        await _forty_slow_requests_never_overrun(session, hosts, mock, redis_server)
+        mock.configure(latency_ms=300)
+        await _an_idle_hosts_other_worker_gets_a_share(session, hosts, mock)
+        mock.configure(latency_ms=150)
+        await _a_worker_stopped_through_a_shrink(session, hosts, mock)
+        mock.configure(latency_ms=100)
+        await _kill_9_of_the_member_keeps_its_host_serving(session, hosts, mock, redis_server)
     assert mock.stats.peak_in_flight <= 4 and mock.stats.rejected == 0
 
 
@@ -475,24 +486,13 @@ async def test_a_keys_limit_holds_across_hosts_of_workers_and_on_the_static_shar
     config = _small_config(redis_server.url, mock)
     config["auth"]["keys"].append({"key": "sk-limited-0001", "name": "limited", "rpm": RPM})
     config["auth"]["keys"].append({"key": STATIC_KEY, "name": "static", "rpm": STATIC_RPM})
-    hosts = [Replica(tmp_path, f"h{i + 1}", config, workers=2) for i in range(2)]
-    async with _fresh_connections() as session:
-        try:
-            for rep in hosts:
-                rep.start()
-            for rep in hosts:
-                await rep.wait_ready(session)
-            await until(lambda: _both_leased(redis_server), 5, "both hosts leased")
-            await _a_keys_rpm_holds_across_hosts_with_one_redis_connection_each(
-                session, hosts, redis_server
-            )
-            await _a_keys_host_allowance_on_the_static_share_while_redis_is_down(
-                session, hosts, redis_server
-            )
-        finally:
-            for rep in hosts:
-                rep.stop()
-            await mock.stop()
+    async with _two_hosts(tmp_path, config, redis_server, mock) as (session, hosts):
+        await _a_keys_rpm_holds_across_hosts_with_one_redis_connection_each(
+            session, hosts, redis_server
+        )
+        await _a_keys_host_allowance_on_the_static_share_while_redis_is_down(
+            session, hosts, redis_server
+        )
 
 
 async def _a_keys_rpm_holds_across_hosts_with_one_redis_connection_each(
