@@ -241,22 +241,6 @@ async def test_reloads_keep_renaming_pools_past_the_old_limit(
     m: MockServer = await mocks()
     instance = f'      - {{name: i, url: "{m.url}", model: up, max_concurrency: 2}}'
 
-    def write(path: Path, port: int, pool: str) -> None:
-        lines = [
-            f"listen: {{host: 127.0.0.1, port: {port}}}",
-            "shutdown: {drain_timeout_ms: 5000, drain_delay_ms: 0}",
-            "pools:",
-            f"  {pool}:",
-            "    instances:",
-            instance,
-            "models:",
-            f"  m: {{pool: {pool}}}",
-        ]
-        # Whole, at once: the other worker reloads from the file when told to.
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("\n".join(lines) + "\n")
-        os.replace(tmp, path)
-
     async with workers(tmp_path, 2, instance) as gw:
 
         async def on(pool: str) -> None:
@@ -274,7 +258,7 @@ async def test_reloads_keep_renaming_pools_past_the_old_limit(
         port = int(gw.url.rsplit(":", 1)[1])
         path = tmp_path / "gateway.yaml"
         for n, pool in enumerate([*(f"p{k}" for k in range(1, 101)), "p"], 1):
-            write(path, port, pool)
+            _write(path, port, instance, pool=pool)
             async with gw.session.post(gw.url + "/admin/reload") as r:
                 assert r.status == 200, f"reload {n} ({pool}): {await r.text()}"
             if n % 25 == 0 or pool == "p":

@@ -49,17 +49,18 @@ def _write(
     extra: str = "",
     alias: str = "m",
     drain_delay_ms: int = 0,  # SPEC §7's delay where it is the point; else no waiting
+    pool: str = "p",
 ) -> None:
     lines = [
         f"listen: {{host: 127.0.0.1, port: {port}}}",
         f"shutdown: {{drain_timeout_ms: 5000, drain_delay_ms: {drain_delay_ms}}}",
         *extra.splitlines(),
         "pools:",
-        "  p:",
+        f"  {pool}:",
         "    instances:",
         instances,
         "models:",
-        f"  {alias}: {{pool: p}}",
+        f"  {alias}: {{pool: {pool}}}",
     ]
     # Whole at once: a worker told to reload reads the file, and must never read it half
     # written (an empty file fails its reload).
