@@ -304,11 +304,8 @@ class AccessLog:
         mono = _monotonic()
         if loop is not None and loop is sink._loop:
             n = sink._lines.access(item, mono, source.prefix, self.json)
-            if n >= 0:  # `sink.added(n, loop)`, inline: this runs for every request
-                if n >= BATCH_LINES:
-                    sink.flush()
-                elif sink._timer is None:
-                    sink._timer = loop.call_later(FLUSH_S, sink.flush)
+            if n >= 0:
+                sink.added(n, loop)
                 return
         try:
             line = self.line(source.values(item, mono))
