@@ -295,7 +295,7 @@ class HostLeasedLimits(KeyLimits):
         back = (charged - actual) * _SCALE
         self._region.allowance_add(self.entry, True, back, -back)
 
-    def _central_now(self, tokens: bool, limit: int, now: float) -> float:
+    def _central_now(self, tokens: bool, limit: float, now: float) -> float:
         if self._share.static_replicas:
             return 0.0
         level, at_us = self._region.central(self.entry, tokens)
@@ -312,18 +312,11 @@ class HostLeasedLimits(KeyLimits):
         return max(self._share.interval_s, (need - have) * 60 / (limit / (static or 1)))
 
     def _headers_at(self, now: float) -> dict[str, str]:
-        # On every admitted request of every worker: `_central_now` inlined, names prebuilt.
+        # On every admitted request of every worker: the names and fixed values prebuilt.
         h: dict[str, str] = {}
         region, k = self._region, self.entry
-        static = self._share.static_replicas
         for tokens, limit, per, limit_text, h_limit, h_left, h_reset in self._heads:
-            left = region.allowance(k, tokens) / _SCALE
-            if not static:
-                level, at_us = region.central(k, tokens)
-                if at_us:
-                    left += min(limit, level / _SCALE + max(0.0, now - at_us / 1e6) / per)
-                else:
-                    left += limit  # never synced: a missing central bucket is a full one
+            left = region.allowance(k, tokens) / _SCALE + self._central_now(tokens, limit, now)
             left = min(limit, max(0.0, left))
             h[h_limit] = limit_text
             h[h_left] = str(math.floor(left))
