@@ -891,10 +891,9 @@ class Gateway:
     def _observe(self, ex: Exchange) -> None:
         d = ex.decision
         pool = ex.pool or (d.pool if d else None)
-        # `ex.priority_label` and `ex.has_objective`, inline (once per request: no calls)
-        label = (ex.waited_as or d.priority).label if d is not None else None
+        label = ex.priority_label
         self.metrics.request_done(pool, label, ex.status, ex.key_name or NO_KEY)
-        if ex.slo_ttft_ms is not None or ex.slo_tpot_ms is not None:
+        if ex.has_objective:
             # SPEC §17 goodput: every request with an objective counts once — met, missed
             # (late, failed, timed out, or its client left) or shed.
             result = ex.slo_result or "missed"
