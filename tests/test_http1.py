@@ -947,3 +947,106 @@ async def test_a_relay_stopped_at_the_body_end_keeps_the_connection(
         ended, got = await _relay_until_done(c)
         assert b"".join(got).endswith(b"data: [DONE]\n\n")
         assert srv.connections == 2
+
+
+async def _relay_pieces(c: Client) -> tuple[list[bytes], BaseException | None]:
+    """A stream relayed as the gateway does: what the sink was given, and what the relay
+    raised (None: the body ended cleanly)."""
+    resp = await c.request(c.head("POST", "/v1/x", ""), b"x")
+    got: list[bytes] = []
+
+    def sink(data: bytes) -> bool:
+        got.append(data)
+        return True
+
+    async def drain() -> None:
+        return None
+
+    try:
+        await resp.relay(sink, drain)
+    except ConnectionResetError as exc:
+        resp.close()
+        return got, exc
+    resp.release()
+    return got, None
+
+
+def _script_of(writes: list[bytes]) -> Callable[..., Awaitable[None]]:
+    async def script(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int
+    ) -> None:
+        await read_request(reader)
+        for piece in writes:
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.005)  # one read each on the client's side
+        await reader.read()  # held open until the client leaves
+
+    return script
+
+
+async def test_a_relay_reads_whole_chunks_and_hands_over_exactly_the_data(
+    client_factory: Callable[[int], Client],
+) -> None:
+    """A relayed stream whose reads are one whole chunk each (a token stream's common read,
+    taken without llhttp), mixed with reads llhttp takes (a chunk cut in two, two chunks at
+    once, an extension, upper-case and zero-padded sizes): the sink gets exactly the data,
+    never a size line or a CRLF, and the connection is reused after the last chunk."""
+    events = [b'data: {"i":%d}\n\n' % i for i in range(12)]
+    one = [b"%x\r\n%b\r\n" % (len(e), e) for e in events]
+    writes = [
+        SSE_HEAD,
+        one[0],
+        one[1],
+        one[2][:7],  # a chunk cut in two reads
+        one[2][7:],
+        one[3],  # a whole chunk again, once the cut one ended
+        one[4] + one[5],  # two chunks in one read
+        b"%X\r\n%b\r\n" % (len(events[6]), events[6]),  # upper-case hex
+        b"000%x\r\n%b\r\n" % (len(events[7]), events[7]),  # zero-padded
+        b"%x;ext=1\r\n%b\r\n" % (len(events[8]), events[8]),  # an extension
+        one[9][:-1],  # all but the last byte
+        one[9][-1:] + one[10],
+        one[11],
+        b"0\r\n\r\n",
+    ]
+    async with ScriptServer(_script_of(writes)) as srv:
+        c = client_factory(srv.port)
+        got, error = await _relay_pieces(c)
+        assert error is None
+        assert b"".join(got) == b"".join(events)
+        assert c.idle_connections == 1  # kept for the next request
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b"+1e\r\n" + b"d" * 30 + b"\r\n",  # sizes Python's int() would read, llhttp not
+        b"0x1e\r\n" + b"d" * 30 + b"\r\n",
+        b"1_e\r\n" + b"d" * 30 + b"\r\n",
+        b" 1e\r\n" + b"d" * 30 + b"\r\n",
+        b"1e\r\n" + b"d" * 30 + b"XY",  # the chunk's CRLF missing
+        b"1e\n" + b"d" * 30 + b"\r\n",  # a bare LF after the size
+        b"FFFFFFFFFFFFFFFF\r\n" + b"d" * 16,  # over the bound
+        b"0000000000000000001e\r\n" + b"d" * 30 + b"\r\n",  # a size line the fast path skips
+    ],
+)
+async def test_a_relay_refuses_chunks_llhttp_refuses(
+    client_factory: Callable[[int], Client], bad: bytes
+) -> None:
+    """A relayed stream's whole-chunk reads are read as strictly as llhttp reads them: a
+    size line it refuses, or a chunk not ended by CRLF, is a framing error (the connection
+    lost), never data for the client. (The last case is valid: llhttp takes it.)"""
+    good = b'data: {"i":0}\n\n'
+    writes = [SSE_HEAD, b"%x\r\n%b\r\n" % (len(good), good), bad, b"0\r\n\r\n"]
+    async with ScriptServer(_script_of(writes)) as srv:
+        c = client_factory(srv.port)
+        got, error = await _relay_pieces(c)
+        data = b"".join(got)
+        assert data.startswith(good)
+        if bad.startswith(b"00000"):
+            assert error is None and data == good + b"d" * 30
+            return
+        assert isinstance(error, ConnectionResetError)
+        assert b"\r\n" not in data and b"1e" not in data
+        assert c.idle_connections == 0

@@ -762,17 +762,20 @@ class Forwarder:
         events, unwritten."""
         resp_up, upstream, checker = src.resp, src.upstream, src.checker
         watchdog, idle, deadline = src.watchdog, src.idle, src.deadline
-        arm, clock = watchdog.arm, watchdog.loop.time
+        clock = watchdog.loop.time
         write, buffered = transport.write, transport.get_write_buffer_size
         is_closing = transport.is_closing
-        scrub, feed, scrub_key = self._scrub_events, checker.feed, upstream.scrub
+        scrub, feed = self._scrub_events, checker.feed
+        scrub_key = upstream.scrub if upstream.keyed else None
         last = b""
 
         def sink(data: bytes) -> bool:
             nonlocal last
             if is_closing():
                 return False  # the client left; the task learns it from its cancellation
-            arm(min(clock() + idle, deadline))
+            # `watchdog.arm`, inline: the stream's idle deadline only ever moves later, and
+            # the timer armed before the relay re-arms itself for it when it fires.
+            watchdog.deadline = min(clock() + idle, deadline)
             out = feed(data)
             if checker.done:
                 # `[DONE]`: kept for the stream's end, written with the last chunk in one
@@ -781,7 +784,10 @@ class Forwarder:
                 return False
             if out:
                 # `_scrub_events`, its common case (no error event) inline
-                out = scrub(upstream, out, checker) if checker.error_seen else scrub_key(out)
+                if checker.error_seen:
+                    out = scrub(upstream, out, checker)
+                elif scrub_key is not None:
+                    out = scrub_key(out)
                 write(b"%x\r\n%b\r\n" % (len(out), out))
                 if buffered() > _CLIENT_HIGH_WATER:
                     resp_up.pause_reading()
@@ -795,7 +801,7 @@ class Forwarder:
             if writer is not None:
                 await writer.drain()
 
-        arm(min(clock() + idle, deadline))
+        watchdog.arm(min(clock() + idle, deadline))
         ended = await _guarded(
             resp_up.relay(sink, drain), watchdog, _STALLED, "upstream cut the stream"
         )

@@ -157,6 +157,11 @@ class Upstream:
         except OSError as exc:
             raise AttemptError(f"upstream connection failed ({exc})") from None
 
+    @property
+    def keyed(self) -> bool:
+        """Whether this instance has a key that `scrub` removes."""
+        return bool(self._secret)
+
     def scrub(self, data: bytes) -> bytes:
         """Removes this instance's key from bytes about to leave the gateway."""
         if self._secret and self._secret in data:
