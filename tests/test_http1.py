@@ -834,9 +834,10 @@ async def test_a_stale_reused_connection_is_resent_on_a_fresh_one(
     async with ScriptServer(script) as srv:
         c = client_factory(srv.port)
         assert await asyncio.gather(_post(c, b"a"), _post(c, b"b")) == [(200, b"a"), (200, b"b")]
-        assert c.idle_connections == 2 and srv.connections == 2
+        # two, and the one opened ahead while both were in flight (preconnect)
+        assert c.idle_connections == 3 and srv.connections == 3
         assert await _post(c, b"c") == (200, b"c")
-        assert srv.connections == 3  # one stale idle connection tried, then a fresh one
+        assert srv.connections == 4  # one stale idle connection tried, then a fresh one
         # a fresh connection closed before answering is a reset, not resent
         async with ScriptServer(lambda r, w, i: read_request(r)) as mute:
             m = client_factory(mute.port)
@@ -1050,3 +1051,44 @@ async def test_a_relay_refuses_chunks_llhttp_refuses(
         assert isinstance(error, ConnectionResetError)
         assert b"\r\n" not in data and b"1e" not in data
         assert c.idle_connections == 0
+
+
+async def test_overlapping_requests_open_the_next_connection_ahead(
+    client_factory: Callable[[int], Client],
+) -> None:
+    """Preconnect: while two requests are in flight and no idle connection is left, one more
+    connection is opened in the background, so the next request goes out at once on it (no
+    handshake on its path: a stream's time to first chunk). One request at a time never
+    opens one."""
+    release = asyncio.Event()
+
+    async def script(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int
+    ) -> None:
+        while True:
+            body = (await read_request(reader)).split(b"\r\n\r\n", 1)[1]
+            if body != b"now":
+                await release.wait()
+            writer.write(answer(b"%d" % index))
+            await writer.drain()
+
+    async with ScriptServer(script) as srv:
+        c = client_factory(srv.port)
+        assert await _post(c, b"now") == (200, b"0")
+        await asyncio.sleep(REUSE_QUIET_S * 2)
+        assert await _post(c, b"now") == (200, b"0")  # one at a time: one connection
+        assert srv.connections == 1
+        held = [asyncio.ensure_future(_post(c, b"a")), asyncio.ensure_future(_post(c, b"b"))]
+        for _ in range(200):
+            if srv.connections == 3 and c.idle_connections == 1:
+                break
+            await asyncio.sleep(0.005)
+        assert srv.connections == 3 and c.idle_connections == 1  # two in use, one ahead
+        # The third request is answered on the connection opened ahead (index 2); taking it
+        # opens the next one ahead while the other two are still in flight.
+        assert await _post(c, b"now") == (200, b"2")
+        release.set()
+        assert sorted(await asyncio.gather(*held)) == [(200, b"0"), (200, b"1")]
+        assert srv.connections == 4
+    await c.close()
+    assert c.idle_connections == 0

@@ -72,9 +72,10 @@ async def test_a_burst_above_256_keeps_its_connections_for_the_next() -> None:
         for round_ in range(2):
             all_in.clear()
             assert await asyncio.gather(*(one() for _ in range(burst))) == [200] * burst
-            assert client.idle_connections == burst, round_
+            # + 1: the connection opened ahead while the requests overlapped (preconnect)
+            assert client.idle_connections == burst + 1, round_
         # The second burst ran on the first one's connections (256 of them before).
-        assert connections == burst
+        assert connections == burst + 1
     finally:
         all_in.set()
         await client.close()

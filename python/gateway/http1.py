@@ -233,6 +233,7 @@ class _Conn(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport instances: no isinstance check.
         self.transport = transport  # type: ignore[assignment]
+        self._client._open += 1
         sock = transport.get_extra_info("socket")
         self._fd = sock.fileno() if sock is not None else -1
 
@@ -314,6 +315,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
+        self._client._open -= 1
         if self.active and not self._complete and self._error is None:
             if self._head_done and self._eof_framed and exc is None:
                 self._complete = True  # a body framed by the connection's close
@@ -893,6 +895,8 @@ class Client:
         # Released within the last `REUSE_QUIET_S`, oldest first: not reused yet.
         self._resting: deque[_Conn] = deque()
         self.closed = False
+        self._open = 0  # connections made and not lost yet: idle, resting, in use
+        self._spare: asyncio.Task[None] | None = None  # a preconnect under way
 
     @property
     def idle_connections(self) -> int:
@@ -1081,6 +1085,8 @@ class Client:
         payload = b"".join((head, b"Content-Length: ", b"%d" % len(body), b"\r\n\r\n", body))
         conn = self._get() or await self._rested()
         if conn is not None:
+            if not self._idle:
+                self._preconnect()
             try:
                 return await conn.exchange(payload, head_only, request_id, max_chunk)
             except (_Stale, _Crossed):
@@ -1088,11 +1094,39 @@ class Client:
                 # request: once more, on a fresh connection
                 pass
         conn = await self._connect()
+        if not self._idle:
+            self._preconnect()
         return await conn.exchange(payload, head_only, request_id, max_chunk)
+
+    def _preconnect(self) -> None:
+        """Envoy's preconnect: while requests overlap (another one holds a connection
+        beside this one's) and no idle connection is left, one more is opened in the
+        background, so the next request (a token stream's time to first chunk) does not wait
+        for a TCP (and TLS) handshake. One at a time: bounded by the requests that come.
+        Requests one after another never open one."""
+        if self._spare is not None or self.closed:
+            return
+        if self._open - len(self._resting) - len(self._idle) < 2:
+            return
+        self._spare = asyncio.ensure_future(self._open_spare())
+
+    async def _open_spare(self) -> None:
+        try:
+            conn = await self._connect()
+        except (OSError, TimeoutError):
+            return  # the next request connects, and reports what fails, itself
+        finally:
+            self._spare = None
+        if self.closed or len(self._idle) + len(self._resting) >= self.max_idle:
+            conn.abort()
+        else:
+            self._idle.append(conn)
 
     def close_idle(self) -> None:
         """Closes the idle connections and stops pooling (in-flight ones close when done)."""
         self.closed = True
+        if self._spare is not None:
+            self._spare.cancel()
         while self._idle:
             self._idle.pop().abort()
         while self._resting:
