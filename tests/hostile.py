@@ -1034,6 +1034,44 @@ def _sse_garbage(first: bool = False, pause: float = 0.05) -> Behaviour:
     return run
 
 
+@mode("paced_sse")
+def _paced_sse(special: str = "none", pause: float = 0.005) -> Behaviour:
+    """A stream sent the way vLLM paces tokens: every event its own chunk in its own write
+    (`pause` s apart), the `special` event after the second content one: `key` (a content
+    delta quoting the upstream key), `error` (an error event quoting it), `garbage` (a
+    `data:` line that is not JSON), `array` (JSON, not an object), `usage` (a usage chunk
+    with 777 completion tokens), `done` (`[DONE]` early, junk events after it) or `none`."""
+
+    async def run(req: Request, conn: Conn) -> str:
+        auth = req.authorization
+        events = sse_events(req.tag, 3, done=False)
+        extra = {
+            "none": [],
+            "key": [_chunk_event(req.tag, {"content": f"{req.tag} said {auth} "})],
+            "error": [
+                b"data: "
+                + json.dumps({"error": {"message": f"failed for {auth}", "code": auth}}).encode()
+                + b"\n\n"
+            ],
+            "garbage": [b"data: {not json <html>\n\n"],
+            "array": [b"data: [1, 2, 3]\n\n"],
+            "usage": [
+                b'data: {"id":"chatcmpl-hostile","object":"chat.completion.chunk","choices":[],'
+                b'"usage":{"prompt_tokens":5,"completion_tokens":777,"total_tokens":782}}\n\n'
+            ],
+            "done": [b"data: [DONE]\n\n", b'data: {"junk":"after done"}\n\n'],
+        }[special]
+        events[3:3] = extra
+        if special != "done":
+            events.append(b"data: [DONE]\n\n")
+        hs = [(b"Content-Type", SSE_CT), (b"Transfer-Encoding", b"chunked")]
+        pieces = [head(200, hs)] + [b"%x\r\n%b\r\n" % (len(e), e) for e in events]
+        await conn.send_pieces([*pieces, b"0\r\n\r\n"], pause)
+        return KEEP
+
+    return run
+
+
 @mode("sse_tail")
 def _sse_tail(kind: str = "junk_after_done") -> Behaviour:
     """Streams that go wrong at their end (found by the fuzzer): `junk_after_done` (junk

@@ -601,6 +601,61 @@ async def test_upstream_key_never_reaches_a_client_a_log_or_a_metric(
     await settle(gw)
 
 
+@pytest.mark.parametrize(
+    ("special", "allowed"),
+    [
+        ("none", "ok"),
+        ("key", "ok"),
+        ("error", "ok"),
+        ("garbage", "stream_error"),
+        ("array", "ok"),
+        ("usage", "ok"),
+        ("done", "ok"),
+    ],
+)
+async def test_paced_stream_events_are_each_checked(
+    hostile: HostileFactory, gateway_factory: GatewayFactory, special: str, allowed: str
+) -> None:
+    """A stream paced like vLLM's (each event its own chunk, its own read: the relay's
+    fastest path, where a chunk goes to the client with its framing as it came): every event
+    is still checked. A key quoted in a content delta is redacted, an error event ends the
+    stream in the gateway's words, a `data:` line that is not JSON ends it too, JSON that is
+    not an object passes, a usage chunk counts its tokens, nothing after `[DONE]` is relayed.
+    (An upstream's error event mid-stream reaches the client rewritten; the stream goes on
+    as the upstream sends it.)"""
+    server = await hostile(("paced_sse", {"special": special}))
+    gw = await gateway_factory(hostile_config(server))
+    ans = await _ask(gw, stream=True)
+    # (`check` wants every event an object: the array passes as the upstream sent it)
+    outcome = ans.outcome() if special == "array" else ans.check("ok", "stream_error")
+    assert outcome == allowed, ans.describe()
+    assert UPSTREAM_KEY.encode() not in ans.body, ans.describe()
+    for text in _decoded_texts(ans):
+        assert UPSTREAM_KEY not in text, text
+    content = b"".join(e for e in ans.events if b'"content"' in e)
+    relayed = 2 if special in ("garbage", "done") else 3  # the content events after it: cut
+    assert content.count(b" part") == relayed, ans.describe()
+    if special == "error":
+        errors = [e for e in ans.events if b'"error"' in e]
+        assert len(errors) == 1 and b"[redacted]" in errors[0], ans.describe()
+    if special == "key":
+        assert b"said Bearer [redacted]" in ans.body, ans.describe()
+    if special == "array":
+        assert b"data: [1, 2, 3]\n\n" in ans.body
+    if special == "done":
+        assert b"after done" not in ans.body
+        assert ans.body.endswith(b"data: [DONE]\n\n")
+    async with gw.session.get(gw.url + "/metrics") as resp:
+        metrics = (await resp.read()).decode()
+    completion = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("gateway_tokens_total{") and 'kind="completion"' in line
+    ]
+    assert completion == ([777.0] if special == "usage" else []), completion
+    await settle(gw)
+
+
 @pytest.mark.parametrize("where", ["base64", "urlencoded"])
 async def test_an_encoded_upstream_key_never_reaches_the_client(
     hostile: HostileFactory, gateway_factory: GatewayFactory, where: str

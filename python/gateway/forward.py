@@ -57,7 +57,7 @@ from gateway.redact import Redactor
 from gateway.responses import NOSNIFF, sse_error_event
 from gateway.runtime import Runtime
 from gateway.scheduler import now_ms
-from gateway.sse import MalformedEvent, SseChecker
+from gateway.sse import MalformedEvent, SseChecker, decode_event
 from gateway.telemetry import finish_reasons
 from gateway.upstream import AttemptError, Upstream
 
@@ -767,7 +767,38 @@ class Forwarder:
         is_closing = transport.is_closing
         scrub, feed = self._scrub_events, checker.feed
         scrub_key = upstream.scrub if upstream.keyed else None
+        secret = upstream.secret_bytes
+        decode, max_event = decode_event, checker.max_event_bytes
         last = b""
+
+        def whole(chunk: bytes, start: int) -> bool:
+            # The token stream's common read: one whole chunk holding one one-line `data:`
+            # event (`N\r\ndata: {...}\n\n\r\n`). When the event holds nothing the gateway acts
+            # on (JSON, no usage, no error, not `[DONE]`, no key) it goes to the client with
+            # its framing as it came: `sink` and `SseChecker.feed`'s common case in one call,
+            # no copy. Anything else is left to `sink` (which raises, ends or scrubs).
+            if (
+                checker.pending
+                or chunk.find(b"\n", start) != len(chunk) - 4
+                or chunk[-4:-2] != b"\n\n"
+                or not chunk.startswith(b"data:", start)
+                or len(chunk) - start - 4 > max_event
+                or is_closing()
+                or (secret and secret in chunk)
+            ):
+                return False
+            try:
+                event = decode(chunk[start + 5 : -4])
+            except msgspec.MsgspecError:
+                return False  # `[DONE]`, or not an object: `sink` tells which
+            if event.usage or event.error is not None:
+                return False
+            checker.data_events += 1
+            watchdog.deadline = min(clock() + idle, deadline)
+            write(chunk)
+            if buffered() > _CLIENT_HIGH_WATER:
+                resp_up.pause_reading()
+            return True
 
         def sink(data: bytes) -> bool:
             nonlocal last
@@ -802,8 +833,10 @@ class Forwarder:
                 await writer.drain()
 
         watchdog.arm(min(clock() + idle, deadline))
+        # A traced stream's events are all read (their finish reasons): `sink` only.
+        fast = whole if checker.finish_reasons is None else None
         ended = await _guarded(
-            resp_up.relay(sink, drain), watchdog, _STALLED, "upstream cut the stream"
+            resp_up.relay(sink, drain, fast), watchdog, _STALLED, "upstream cut the stream"
         )
         if is_closing():
             raise ConnectionResetError("the client left")

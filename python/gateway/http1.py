@@ -176,6 +176,7 @@ class _Conn(asyncio.Protocol):
         "_size_line",
         "_tail",
         "_waiter",
+        "_whole",
         "_why",
         "active",
         "transport",
@@ -198,6 +199,8 @@ class _Conn(asyncio.Protocol):
         self._sink: Callable[[bytes], bool] | None = None
         self._sink_error: BaseException | None = None
         self._sink_stopped = False
+        # Relay mode, optional: takes one whole chunk as it came (see `Response.relay`).
+        self._whole: Callable[[bytes, int], bool] | None = None
         self._done_at = 0.0  # when its last response was released (monotonic)
         self._fd = -1  # the socket's descriptor (-1: none known), for `unread`
         # The upstream echoed the X-Request-Id it was sent: a late duplicate on this
@@ -275,7 +278,9 @@ class _Conn(asyncio.Protocol):
                     and data[-2:] == b"\r\n"
                     and not self._chunks
                 ):
-                    self._sink_piece(sink, data[start:-2])
+                    whole = self._whole
+                    if whole is None or not whole(data, start):
+                        self._sink_piece(sink, data[start:-2])
                     return
         head_before = self._head_done
         try:
@@ -664,7 +669,10 @@ class Response:
             await conn.wait()
 
     async def relay(
-        self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]]
+        self,
+        sink: Callable[[bytes], bool],
+        drain: Callable[[], Awaitable[None]],
+        whole: Callable[[bytes, int], bool] | None = None,
     ) -> bool:
         """Hands the rest of the body to `sink` as it arrives, straight from the protocol
         callback: no task switch and no future per piece (a token stream's hot path). `sink`
@@ -672,10 +680,17 @@ class Response:
         unless the body had already ended: then it stays reusable) and
         may call `pause_reading` when its own output backs up; `drain` is then awaited before
         reading resumes. Returns True when the body ended, False when the sink stopped;
-        raises what the connection or the sink raised."""
+        raises what the connection or the sink raised.
+
+        `whole(read, start)`, when given, is offered each read that is exactly one whole
+        chunk of a chunked body (`read[start:-2]` its data, the rest its framing, valid and
+        within the bounds): True when it took the chunk itself (the relay's hot path: a token
+        event passed on with its framing as it came, one call); False hands the data to
+        `sink` as usual. It must not raise."""
         conn = self._conn
         if conn is None:
             raise ConnectionResetError("the upstream response was closed")
+        conn._whole = whole
         if conn._chunks:
             conn._sink = sink
             conn._to_sink()
@@ -701,6 +716,7 @@ class Response:
                 await conn.wait()
         finally:
             conn._sink = None
+            conn._whole = None
             conn._sink_error = None
             conn._sink_stopped = False
 

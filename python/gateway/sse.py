@@ -20,7 +20,7 @@ import msgspec
 
 from gateway.telemetry import add_reasons
 
-__all__ = ["EventTooLarge", "MalformedEvent", "SseChecker"]
+__all__ = ["EventTooLarge", "MalformedEvent", "SseChecker", "decode_event"]
 
 
 class _Event(msgspec.Struct):
@@ -40,6 +40,8 @@ class _TracedEvent(_Event):
 
 _event = msgspec.json.Decoder(_Event)
 _traced_event = msgspec.json.Decoder(_TracedEvent)
+#: One untraced event's `data:` payload: its `usage` and `error` (the rest only checked).
+decode_event = _event.decode
 
 
 class MalformedEvent(ValueError):
@@ -70,12 +72,12 @@ class SseChecker:
     __slots__ = (
         "_last",
         "_parts",
-        "_pending",
         "data_events",
         "done",
         "error_seen",
         "finish_reasons",
         "max_event_bytes",
+        "pending",
         "upstream_error",
         "usage",
     )
@@ -83,7 +85,7 @@ class SseChecker:
     def __init__(self, max_event_bytes: int = 1 << 20) -> None:
         self.max_event_bytes = max_event_bytes
         self._parts: list[bytes] = []  # the incomplete last event, in pieces
-        self._pending = 0  # its size
+        self.pending = 0  # its size (0: no event is incomplete)
         self._last = b""  # its last two bytes (a boundary may straddle two chunks)
         self.usage: dict[str, Any] | None = None
         self.upstream_error: str | None = None
@@ -104,7 +106,7 @@ class SseChecker:
         if self.done:
             return b""
         if (
-            not self._pending
+            not self.pending
             and chunk[:5] == b"data:"
             and chunk.find(b"\n") == len(chunk) - 2
             and chunk[-1:] == b"\n"
@@ -134,7 +136,7 @@ class SseChecker:
             if obj.error is not None:
                 self._error(obj.error)
             return chunk
-        if self._pending:
+        if self.pending:
             shift = len(self._last)
             end = _boundary_end(self._last + chunk[:3]) if shift else -1
             # A boundary inside the chunk itself wins: it is the later one.
@@ -152,7 +154,7 @@ class SseChecker:
             self._parts = []
         else:
             complete = chunk[:cut] if rest else chunk
-        self._pending = 0
+        self.pending = 0
         self._last = b""
         complete = self._check_all(complete)
         if rest and not self.done:
@@ -161,9 +163,9 @@ class SseChecker:
 
     def _keep(self, piece: bytes) -> None:
         self._parts.append(piece)
-        self._pending += len(piece)
+        self.pending += len(piece)
         self._last = (self._last + piece[-2:])[-2:]
-        if self._pending > self.max_event_bytes:
+        if self.pending > self.max_event_bytes:
             raise EventTooLarge(
                 f"a stream event exceeded limits.max_event_bytes ({self.max_event_bytes})"
             )
@@ -172,7 +174,7 @@ class SseChecker:
         """What is left at the end of the stream (an unterminated last event), checked.
         Raises `MalformedEvent` when the stream held no event at all."""
         tail = b"".join(self._parts)
-        self._parts, self._pending, self._last = [], 0, b""
+        self._parts, self.pending, self._last = [], 0, b""
         self.error_seen = False
         tail = self._check_all(tail) if tail.strip() and not self.done else b""
         if not self.data_events and not self.done:

@@ -162,6 +162,11 @@ class Upstream:
         """Whether this instance has a key that `scrub` removes."""
         return bool(self._secret)
 
+    @property
+    def secret_bytes(self) -> bytes:
+        """The key `scrub` removes, as bytes (empty: none): for a check without a call."""
+        return self._secret
+
     def scrub(self, data: bytes) -> bytes:
         """Removes this instance's key from bytes about to leave the gateway."""
         if self._secret and self._secret in data:
