@@ -21,6 +21,7 @@ __all__ = [
     "LineBuffer",
     "NoHealthyInstance",
     "Outcome",
+    "PlainEvents",
     "Policy",
     "Pool",
     "PoolConfig",
@@ -385,6 +386,16 @@ class Region:
     def set_central(self, slot: int, tokens: bool, level: int, at_us: int) -> None: ...
     def central(self, slot: int, tokens: bool) -> tuple[int, int]: ...
     def tables(self) -> tuple[list[int], list[int], int]: ...
+
+@final
+class PlainEvents:
+    """A relayed stream's check of its reads: whether one is a whole chunk holding one plain
+    `data:` event (JSON, no usage, no error, no key), which can go to the client as it came."""
+
+    def __new__(cls, max_chunk: int, max_event: int, secret: bytes) -> PlainEvents: ...
+    def plain(self, read: bytes) -> bool: ...
+    @property
+    def passed(self) -> int: ...
 
 @final
 class LineBuffer:

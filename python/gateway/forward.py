@@ -38,7 +38,7 @@ import orjson
 from aiohttp import web
 
 from gateway import slo
-from gateway._core import Outcome
+from gateway._core import Outcome, PlainEvents
 from gateway.deadline import Watchdog
 from gateway.errors import (
     DEFAULT_RETRY_AFTER_MS,
@@ -57,7 +57,7 @@ from gateway.redact import Redactor
 from gateway.responses import NOSNIFF, sse_error_event
 from gateway.runtime import Runtime
 from gateway.scheduler import now_ms
-from gateway.sse import MalformedEvent, SseChecker, decode_event
+from gateway.sse import MalformedEvent, SseChecker
 from gateway.telemetry import finish_reasons
 from gateway.upstream import AttemptError, Upstream
 
@@ -767,35 +767,20 @@ class Forwarder:
         is_closing = transport.is_closing
         scrub, feed = self._scrub_events, checker.feed
         scrub_key = upstream.scrub if upstream.keyed else None
-        secret = upstream.secret_bytes
-        decode, max_event = decode_event, checker.max_event_bytes
+        # The token stream's common read: one whole chunk holding one one-line `data:` event
+        # (`N\r\ndata: {...}\n\n\r\n`) with nothing the gateway acts on (JSON, no usage, no
+        # error, not `[DONE]`, no key), checked in one call (`gateway._core.PlainEvents`, a
+        # strict subset of what `sink` relays unchanged). It goes to the client with its
+        # framing as it came: no Python per field, no copy. Anything else is `sink`'s.
+        events = PlainEvents(resp_up.max_chunk, checker.max_event_bytes, upstream.secret_bytes)
+        plain = events.plain
         last = b""
 
-        def whole(chunk: bytes, start: int) -> bool:
-            # The token stream's common read: one whole chunk holding one one-line `data:`
-            # event (`N\r\ndata: {...}\n\n\r\n`). When the event holds nothing the gateway acts
-            # on (JSON, no usage, no error, not `[DONE]`, no key) it goes to the client with
-            # its framing as it came: `sink` and `SseChecker.feed`'s common case in one call,
-            # no copy. Anything else is left to `sink` (which raises, ends or scrubs).
-            if (
-                checker.pending
-                or chunk.find(b"\n", start) != len(chunk) - 4
-                or chunk[-4:-2] != b"\n\n"
-                or not chunk.startswith(b"data:", start)
-                or len(chunk) - start - 4 > max_event
-                or is_closing()
-                or (secret and secret in chunk)
-            ):
+        def whole(read: bytes) -> bool:
+            if checker.pending or is_closing() or not plain(read):
                 return False
-            try:
-                event = decode(chunk[start + 5 : -4])
-            except msgspec.MsgspecError:
-                return False  # `[DONE]`, or not an object: `sink` tells which
-            if event.usage or event.error is not None:
-                return False
-            checker.data_events += 1
             watchdog.deadline = min(clock() + idle, deadline)
-            write(chunk)
+            write(read)
             if buffered() > _CLIENT_HIGH_WATER:
                 resp_up.pause_reading()
             return True
@@ -835,9 +820,12 @@ class Forwarder:
         watchdog.arm(min(clock() + idle, deadline))
         # A traced stream's events are all read (their finish reasons): `sink` only.
         fast = whole if checker.finish_reasons is None else None
-        ended = await _guarded(
-            resp_up.relay(sink, drain, fast), watchdog, _STALLED, "upstream cut the stream"
-        )
+        try:
+            ended = await _guarded(
+                resp_up.relay(sink, drain, fast), watchdog, _STALLED, "upstream cut the stream"
+            )
+        finally:
+            checker.data_events += events.passed  # the token count, whatever ended the relay
         if is_closing():
             raise ConnectionResetError("the client left")
         if ended:

@@ -200,7 +200,7 @@ class _Conn(asyncio.Protocol):
         self._sink_error: BaseException | None = None
         self._sink_stopped = False
         # Relay mode, optional: takes one whole chunk as it came (see `Response.relay`).
-        self._whole: Callable[[bytes, int], bool] | None = None
+        self._whole: Callable[[bytes], bool] | None = None
         self._done_at = 0.0  # when its last response was released (monotonic)
         self._fd = -1  # the socket's descriptor (-1: none known), for `unread`
         # The upstream echoed the X-Request-Id it was sent: a late duplicate on this
@@ -262,6 +262,9 @@ class _Conn(asyncio.Protocol):
         self._got_bytes = True
         sink = self._sink
         if sink is not None and self._scan and not self._chunk_left and not self._size_line:
+            whole = self._whole
+            if whole is not None and not self._chunks and whole(data):
+                return  # exactly one whole chunk (checked by `whole`), taken as it came
             # A relayed token stream's common read: exactly one whole chunk, `HEX CRLF data
             # CRLF` and nothing else, read at a chunk boundary. llhttp would hand `data` to
             # `on_body` and end where it started (before a chunk-size line), so the chunk is
@@ -278,9 +281,7 @@ class _Conn(asyncio.Protocol):
                     and data[-2:] == b"\r\n"
                     and not self._chunks
                 ):
-                    whole = self._whole
-                    if whole is None or not whole(data, start):
-                        self._sink_piece(sink, data[start:-2])
+                    self._sink_piece(sink, data[start:-2])
                     return
         head_before = self._head_done
         try:
@@ -672,7 +673,7 @@ class Response:
         self,
         sink: Callable[[bytes], bool],
         drain: Callable[[], Awaitable[None]],
-        whole: Callable[[bytes, int], bool] | None = None,
+        whole: Callable[[bytes], bool] | None = None,
     ) -> bool:
         """Hands the rest of the body to `sink` as it arrives, straight from the protocol
         callback: no task switch and no future per piece (a token stream's hot path). `sink`
@@ -682,11 +683,12 @@ class Response:
         reading resumes. Returns True when the body ended, False when the sink stopped;
         raises what the connection or the sink raised.
 
-        `whole(read, start)`, when given, is offered each read that is exactly one whole
-        chunk of a chunked body (`read[start:-2]` its data, the rest its framing, valid and
-        within the bounds): True when it took the chunk itself (the relay's hot path: a token
-        event passed on with its framing as it came, one call); False hands the data to
-        `sink` as usual. It must not raise."""
+        `whole(read)`, when given, is offered each read of a chunked body that starts at a
+        chunk boundary (the relay's hot path: a token event passed on with its framing as it
+        came, in one call). It returns True only when it took the read, which it may do only
+        when the read is exactly one whole chunk of a size from 1 to the response's
+        `max_chunk` (`HEX CRLF data CRLF`, nothing else) — it checks that itself; False
+        leaves the read to this connection (and `sink`). It must not raise."""
         conn = self._conn
         if conn is None:
             raise ConnectionResetError("the upstream response was closed")
@@ -719,6 +721,12 @@ class Response:
             conn._whole = None
             conn._sink_error = None
             conn._sink_stopped = False
+
+    @property
+    def max_chunk(self) -> int:
+        """The largest chunk this response may declare (`Client.request`'s `max_chunk`)."""
+        conn = self._conn
+        return conn._max_chunk if conn is not None else 0
 
     def pause_reading(self) -> None:
         """Stops reading from the upstream until `relay`'s drain returns (flow control)."""

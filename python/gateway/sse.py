@@ -20,7 +20,7 @@ import msgspec
 
 from gateway.telemetry import add_reasons
 
-__all__ = ["EventTooLarge", "MalformedEvent", "SseChecker", "decode_event"]
+__all__ = ["EventTooLarge", "MalformedEvent", "SseChecker"]
 
 
 class _Event(msgspec.Struct):
@@ -40,8 +40,6 @@ class _TracedEvent(_Event):
 
 _event = msgspec.json.Decoder(_Event)
 _traced_event = msgspec.json.Decoder(_TracedEvent)
-#: One untraced event's `data:` payload: its `usage` and `error` (the rest only checked).
-decode_event = _event.decode
 
 
 class MalformedEvent(ValueError):

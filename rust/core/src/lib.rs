@@ -1,7 +1,8 @@
 //! The gateway's scheduling core: per pool, a bounded dual queue (high/low, fair across
 //! tenants), the class selector (smooth weighted round-robin or strict, with a starvation
 //! guard), the instance balancer over in-flight counters (with consistent hashing with bounded
-//! loads for prefix affinity), and each instance's health state.
+//! loads for prefix affinity), and each instance's health state; beside them, the check of a
+//! relayed token stream's common read (`sse`).
 //!
 //! Pure Rust: no Python, no I/O, no clock and no global randomness. Time comes in as an
 //! argument in milliseconds; randomness from a seeded generator. The rules implemented are
@@ -25,6 +26,7 @@ pub mod rng;
 pub mod selector;
 pub mod shared;
 pub mod shm;
+pub mod sse;
 pub mod types;
 
 pub use affinity::HashRing;

@@ -11,12 +11,14 @@ mod enums;
 mod matcher;
 mod pool;
 mod region;
+mod sse;
 
 use access::LineBuffer;
 use enums::{Affinity, Balancer, EventKind, InstanceState, Outcome, Policy, Priority};
 use matcher::KeywordSet;
 use pool::{Event, InstanceInfo, Pool, PoolConfig, PoolStats};
 use region::Region;
+use sse::PlainEvents;
 
 create_exception!(
     gateway._core,
@@ -112,6 +114,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<KeywordSet>()?;
     m.add_class::<Region>()?;
     m.add_class::<LineBuffer>()?;
+    m.add_class::<PlainEvents>()?;
     m.add("REGION_BYTES", core::shm::REGION_BYTES)?;
     m.add("MAX_WORKERS", core::shm::MAX_WORKERS)?;
     m.add("MAX_KEYS", core::shm::MAX_KEYS)?;
