@@ -106,7 +106,9 @@ impl PlainEvents {
 
 impl PlainEvents {
     /// Whether the key occurs in `read`: each place its first byte occurs, compared (a key
-    /// is a few dozen bytes, a token event a few hundred).
+    /// is a few dozen bytes, a token event a few hundred). Not a stored `memmem::Finder`: it
+    /// holds 32-byte-aligned vectors, and this struct lives inside a Python object (16-byte
+    /// aligned memory) in the binding.
     fn holds_secret(&self, read: &[u8]) -> bool {
         let Some((&first, rest)) = self.secret.split_first() else {
             return false;

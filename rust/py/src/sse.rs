@@ -7,6 +7,10 @@ use gateway_core::sse;
 use pyo3::prelude::*;
 
 /// One stream's check of its reads; see `gateway_core::sse::PlainEvents::plain`.
+///
+/// Nothing over-aligned may live in here: a Python object's memory is 16-byte aligned, and a
+/// stored `memchr::memmem::Finder` (AVX2 vectors, 32-byte alignment) segfaulted on an aligned
+/// load whenever the object landed on an odd 16 bytes (the hostile suite's endless stream).
 #[pyclass(module = "gateway._core", frozen)]
 pub struct PlainEvents {
     inner: sse::PlainEvents,
