@@ -589,18 +589,7 @@ async def test_a_chunk_over_the_bound_fails_at_once(
 ) -> None:
     """SPEC §16: "a chunk larger than the response bound is a framing error" — declared,
     not waited for: the upstream holds its connection open and sends nothing more."""
-
-    async def script(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int
-    ) -> None:
-        await read_request(reader)
-        for piece in writes:
-            writer.write(piece)
-            await writer.drain()
-            await asyncio.sleep(0.01)  # separate reads on the client's side
-        await reader.read()  # held open until the client leaves
-
-    async with ScriptServer(script) as srv:
+    async with ScriptServer(_script_of(writes, pause=0.01)) as srv:
         c = client_factory(srv.port)
         t0 = time.monotonic()
         with pytest.raises(ConnectionResetError, match="declared a chunk of"):
@@ -972,7 +961,10 @@ async def _relay_pieces(c: Client) -> tuple[list[bytes], BaseException | None]:
     return got, None
 
 
-def _script_of(writes: list[bytes]) -> Callable[..., Awaitable[None]]:
+def _script_of(writes: list[bytes], pause: float = 0.005) -> Callable[..., Awaitable[None]]:
+    """A server script: reads the request, sends `writes` one write each, `pause` s apart (one
+    read each on the client's side), then holds the connection until the client leaves."""
+
     async def script(
         reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int
     ) -> None:
@@ -980,8 +972,8 @@ def _script_of(writes: list[bytes]) -> Callable[..., Awaitable[None]]:
         for piece in writes:
             writer.write(piece)
             await writer.drain()
-            await asyncio.sleep(0.005)  # one read each on the client's side
-        await reader.read()  # held open until the client leaves
+            await asyncio.sleep(pause)
+        await reader.read()
 
     return script
 
