@@ -31,6 +31,7 @@ __all__ = [
     "QueueFull",
     "Region",
     "UnknownTicket",
+    "otlp_spans",
 ]
 
 MAX_INSTANCES: int
@@ -408,3 +409,10 @@ class LineBuffer:
     ) -> int: ...
     def take(self) -> tuple[bytes, int] | None: ...
     def __len__(self) -> int: ...
+
+def otlp_spans(
+    batch: list[tuple[int, int, int, str, int, int, int, dict[str, Any], int, str]],
+    prefix: bytes,
+) -> bytes | None:
+    """The OTLP/JSON export request of finished spans (`gateway.telemetry`'s records) after
+    `prefix` (resource and scope), or None when a value needs the Python encoder."""

@@ -16,6 +16,7 @@ pub mod cells;
 pub mod error;
 pub mod health;
 pub mod instance;
+pub mod json;
 pub mod latency;
 pub mod matcher;
 mod peers;

@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 mod access;
 mod enums;
 mod matcher;
+mod otlp;
 mod pool;
 mod region;
 mod sse;
@@ -115,6 +116,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Region>()?;
     m.add_class::<LineBuffer>()?;
     m.add_class::<PlainEvents>()?;
+    m.add_function(wrap_pyfunction!(otlp::otlp_spans, m)?)?;
     m.add("REGION_BYTES", core::shm::REGION_BYTES)?;
     m.add("MAX_WORKERS", core::shm::MAX_WORKERS)?;
     m.add("MAX_KEYS", core::shm::MAX_KEYS)?;
