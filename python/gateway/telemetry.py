@@ -96,6 +96,7 @@ import msgspec
 import orjson
 
 from gateway import __version__
+from gateway._core import otlp_spans
 
 if TYPE_CHECKING:
     from gateway._core import Priority
@@ -470,6 +471,14 @@ class Tracing:
             backoff = min(backoff * 2, 8.0)
 
     def _encode(self, batch: list[_Record]) -> bytes:
+        """One OTLP/JSON `ExportTraceServiceRequest` of `batch`, written by the extension in
+        one call (`_core.otlp_spans`: the same bytes as `_encode_py`, ~0.1 of its CPU), or by
+        `_encode_py` when a value is outside the extension's common case (a value of another
+        type than exactly str, bool, a 64-bit int, float, or a list or tuple of str)."""
+        body = otlp_spans(batch, self._prefix)
+        return body if body is not None else self._encode_py(batch)
+
+    def _encode_py(self, batch: list[_Record]) -> bytes:
         """One OTLP/JSON `ExportTraceServiceRequest` (the OTLP/HTTP JSON encoding: ids in hex,
         64-bit integers as strings, enums as numbers), written straight as bytes: each
         attribute's `{"key":...,"value":...}` object is one cached fragment when its value
