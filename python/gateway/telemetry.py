@@ -415,22 +415,32 @@ class Tracing:
         self._thread.start()
 
     def _run(self) -> None:
+        last = time.monotonic()  # the last time the queue was exported to its end
         while not self._stopping.is_set():
-            self._wake.wait(self._delay)
+            self._wake.wait(max(0.0, last + self._delay - time.monotonic()))
             self._wake.clear()
             if self._stopping.is_set():
                 break
+            now = time.monotonic()
+            # Woken by a full batch: full batches only; what is left waits for the next full
+            # one or for the delay. (Draining to the end on every wake exported whatever came
+            # in while the last batch was being sent: under steady load a POST every few
+            # spans — 1,843 POSTs of median 9 spans where 115 of 512 do — at ~15 µs of
+            # exporter CPU per request, and the GIL taken from the loop as often.)
+            whole = now - last >= self._delay
             with self._lock:
-                self._drain()
+                self._drain(full_only=not whole)
+            if whole:
+                last = now
         with self._lock:
             self._drain()
 
-    def _drain(self) -> bool:
-        """Exports everything queued, in batches of `_BATCH` (call with `_lock` held). True
-        when every batch was accepted."""
+    def _drain(self, full_only: bool = False) -> bool:
+        """Exports what is queued, in batches of `_BATCH` (call with `_lock` held): all of it,
+        or (`full_only`) only whole batches. True when every batch was accepted."""
         q = self._queue
         ok = True
-        while q:
+        while q and (not full_only or len(q) >= _BATCH):
             batch = [q.popleft() for _ in range(min(len(q), _BATCH))]
             try:
                 body = self._encode(batch)
