@@ -555,6 +555,7 @@ class Runner:
             for line in lines:
                 task = loop.create_task(self._line(run, line))
                 run.tasks[line.line_no] = task
+                task.add_done_callback(self._line_ended(run, line.line_no))
 
     def _finish_ready(self) -> None:
         if self._stopping:
@@ -733,6 +734,20 @@ class Runner:
             if self._first_at is None:
                 self._first_at = asyncio.get_running_loop().time()
         self._nudge(run)
+
+    def _line_ended(self, run: _Run, line_no: int) -> Callable[[asyncio.Task[None]], None]:
+        """A line's task ended, however: its entry leaves `run.tasks`. `_line`'s `finally`
+        does so for a task that ran; a task cancelled before its first step (a cancel or an
+        expiry right after its lines were started) never enters `_line`, and its entry kept
+        the batch from finalizing: stuck `cancelling` for good."""
+
+        def ended(task: asyncio.Task[None]) -> None:
+            if run.tasks.get(line_no) is task:
+                del run.tasks[line_no]
+                run.seen.pop(line_no, None)
+                self._wake.set()
+
+        return ended
 
     def _nudge(self, run: _Run) -> None:
         """Wakes the pump now, rather than at the next 50 ms tick, when waiting would leave
