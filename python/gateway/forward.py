@@ -766,13 +766,14 @@ class Forwarder:
         write, buffered = transport.write, transport.get_write_buffer_size
         is_closing = transport.is_closing
         scrub, feed = self._scrub_events, checker.feed
-        scrub_key = upstream.scrub if upstream.keyed else None
+        secret = upstream.secret_bytes
+        scrub_key = upstream.scrub if secret else None
         # The token stream's common read: one whole chunk holding one one-line `data:` event
         # (`N\r\ndata: {...}\n\n\r\n`) with nothing the gateway acts on (JSON, no usage, no
         # error, not `[DONE]`, no key), checked in one call (`gateway._core.PlainEvents`, a
         # strict subset of what `sink` relays unchanged). It goes to the client with its
         # framing as it came: no Python per field, no copy. Anything else is `sink`'s.
-        events = PlainEvents(resp_up.max_chunk, checker.max_event_bytes, upstream.secret_bytes)
+        events = PlainEvents(resp_up.max_chunk, checker.max_event_bytes, secret)
         plain = events.plain
         last = b""
 

@@ -261,9 +261,15 @@ class _Conn(asyncio.Protocol):
             return
         self._got_bytes = True
         sink = self._sink
-        if sink is not None and self._scan and not self._chunk_left and not self._size_line:
+        if (
+            sink is not None
+            and self._scan
+            and not self._chunk_left
+            and not self._size_line
+            and not self._chunks
+        ):
             whole = self._whole
-            if whole is not None and not self._chunks and whole(data):
+            if whole is not None and whole(data):
                 return  # exactly one whole chunk (checked by `whole`), taken as it came
             # A relayed token stream's common read: exactly one whole chunk, `HEX CRLF data
             # CRLF` and nothing else, read at a chunk boundary. llhttp would hand `data` to
@@ -279,7 +285,6 @@ class _Conn(asyncio.Protocol):
                     0 < size <= self._max_chunk
                     and len(data) == start + size + 2
                     and data[-2:] == b"\r\n"
-                    and not self._chunks
                 ):
                     self._sink_piece(sink, data[start:-2])
                     return
@@ -1109,8 +1114,7 @@ class Client:
         payload = b"".join((head, b"Content-Length: ", b"%d" % len(body), b"\r\n\r\n", body))
         conn = self._get() or await self._rested()
         if conn is not None:
-            if not self._idle:
-                self._preconnect()
+            self._preconnect()
             try:
                 return await conn.exchange(payload, head_only, request_id, max_chunk)
             except (_Stale, _Crossed):
@@ -1118,8 +1122,7 @@ class Client:
                 # request: once more, on a fresh connection
                 pass
         conn = await self._connect()
-        if not self._idle:
-            self._preconnect()
+        self._preconnect()
         return await conn.exchange(payload, head_only, request_id, max_chunk)
 
     def _preconnect(self) -> None:
@@ -1128,7 +1131,7 @@ class Client:
         background, so the next request (a token stream's time to first chunk) does not wait
         for a TCP (and TLS) handshake. One at a time: bounded by the requests that come.
         Requests one after another never open one."""
-        if self._spare is not None or self.closed:
+        if self._idle or self._spare is not None or self.closed:
             return
         if self._open - len(self._resting) - len(self._idle) < 2:
             return

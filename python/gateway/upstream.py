@@ -158,11 +158,6 @@ class Upstream:
             raise AttemptError(f"upstream connection failed ({exc})") from None
 
     @property
-    def keyed(self) -> bool:
-        """Whether this instance has a key that `scrub` removes."""
-        return bool(self._secret)
-
-    @property
     def secret_bytes(self) -> bytes:
         """The key `scrub` removes, as bytes (empty: none): for a check without a call."""
         return self._secret
